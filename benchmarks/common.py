@@ -1,0 +1,117 @@
+"""Shared pieces of every benchmark: the workloads of docs/workloads, timing, FLOP counting, tables.
+
+Each benchmark script imports this module (``sys.path`` gets ``benchmarks/`` added by the
+script), measures the project and its anchors in one run, prints one table and, when
+``GEMKIT_RESULTS`` names a file, appends its rows there as JSON lines so that
+``scripts/gpu_check.sh`` can print one summary table at the end of a GPU run.
+"""
+
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+# id: (batch, median, sigma, lo, hi, seed)
+JAGGED_LENGTHS = {
+    "J1": (64, 512, 1.0, 32, 16384, 0),
+    "J2": (16, 2048, 1.0, 256, 20000, 1),
+}
+
+
+def lognormal_lengths(batch, median, sigma, lo, hi, seed) -> np.ndarray:
+    """``L = clip(exp(Normal(log(median), sigma)), lo, hi)`` as int64, as the workloads define."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.exp(rng.normal(np.log(median), sigma, size=batch)), lo, hi).astype(np.int64)
+
+
+def workload_lengths(workload_id: str) -> np.ndarray:
+    key = {"J3": "J1", "J4": "J1", "J5": "J2"}.get(workload_id, workload_id)
+    return lognormal_lengths(*JAGGED_LENGTHS[key])
+
+
+def offsets_of(lengths, device) -> torch.Tensor:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(lengths)
+    return torch.as_tensor(offsets, device=device)
+
+
+def attention_pairs(q_lengths, kv_lengths=None, *, causal=False) -> int:
+    q = np.asarray(q_lengths, dtype=np.int64)
+    if causal:
+        return int((q * (q + 1) // 2).sum())
+    k = q if kv_lengths is None else np.asarray(kv_lengths, dtype=np.int64)
+    return int((q * k).sum())
+
+
+def attention_flops(pairs: int, *, heads: int, head_dim: int, backward: bool) -> float:
+    """4·N·H·pairs forward; forward+backward is 3.5× that."""
+    forward = 4.0 * heads * head_dim * pairs
+    return forward * 3.5 if backward else forward
+
+
+def bench_ms(fn, *, warmup_ms=25, rep_ms=100) -> float:
+    """Median time of ``fn()`` in milliseconds (CUDA events via triton's do_bench on a GPU)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        )
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def try_bench(fn, **kwargs) -> float:
+    """Like ``bench_ms`` but returns NaN (and prints why) when the anchor cannot run."""
+    try:
+        return bench_ms(fn, **kwargs)
+    except Exception as exc:  # an anchor failing must not hide the project's numbers
+        print(f"  anchor failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return float("nan")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms and not math.isnan(ms) else float("nan")
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)
+    ]
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+
+
+def record(benchmark: str, **row) -> None:
+    """Append one summary row for the GPU runner's final table."""
+    path = os.environ.get("GEMKIT_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"benchmark": benchmark, **row}) + "\n")
+
+
+def environment() -> str:
+    import triton
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{dev}, torch {torch.__version__}, triton {triton.__version__}"

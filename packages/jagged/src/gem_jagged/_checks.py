@@ -1,0 +1,121 @@
+"""Input validation shared by the jagged ops.
+
+Every public op calls these before choosing a backend, so a bad argument fails the same way on
+every backend, with a message that names the argument and says what was expected. Offsets are
+checked on the host only when they already live there or when ``validate_offsets`` is asked to;
+on CUDA the value checks need one device-to-host copy, which is skipped inside CUDA-graph capture
+and under ``torch.compile`` tracing (the shape, dtype and device checks always run).
+"""
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+BACKENDS = ("auto", "triton", "reference")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` takes Triton on CUDA tensors and the reference on CPU tensors."""
+    check_backend(backend)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return backend
+
+
+def check_values(name: str, x: torch.Tensor, *, ndim: int = 3) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(
+            f"{name} must have {ndim} dimensions [tokens, heads, head_dim], got shape {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_same(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """All tensors share one dtype and one device; the message names the odd one out."""
+    first_name, first = names_and_tensors[0]
+    for name, t in names_and_tensors[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; they must match"
+            )
+
+
+def check_head_dim(name: str, head_dim: int, supported=SUPPORTED_HEAD_DIMS) -> None:
+    if head_dim not in supported:
+        raise ValueError(f"{name} has head dim {head_dim}; supported head dims are {supported}")
+
+
+def _tracing() -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_offsets(
+    name: str,
+    offsets: torch.Tensor,
+    *,
+    total: int,
+    device: torch.device,
+    validate_values: bool | None = None,
+) -> None:
+    """Check a jagged ``offsets [B+1]`` tensor against ``total`` tokens.
+
+    Structure (1-D, integer dtype, at least one entry, right device) is always checked. Values
+    (starts at 0, never decreases, ends at ``total``) are checked on CPU tensors always and on CUDA
+    tensors unless ``validate_values=False`` or a graph is being captured or traced.
+    """
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [B+1], got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.numel() < 1:
+        raise ValueError(f"{name} must hold at least one entry (offsets[0] = 0), got none")
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
+    if validate_values is None:
+        validate_values = not _tracing()
+    if not validate_values:
+        return
+    host = offsets.detach().to("cpu", torch.int64)
+    if host[0].item() != 0:
+        raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
+    steps = host[1:] - host[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0].item())
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{i + 1}] = {host[i + 1].item()} "
+            f"< {name}[{i}] = {host[i].item()}"
+        )
+    if host[-1].item() != total:
+        raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
+
+
+def check_rel_bias(rel_bias: torch.Tensor | None, *, num_heads: int, like: torch.Tensor) -> None:
+    if rel_bias is None:
+        return
+    if not isinstance(rel_bias, torch.Tensor):
+        raise TypeError(f"rel_bias must be a torch.Tensor, got {type(rel_bias).__name__}")
+    if rel_bias.dim() != 2 or rel_bias.shape[0] != num_heads or rel_bias.shape[1] % 2 != 1:
+        raise ValueError(
+            f"rel_bias must have shape [N={num_heads}, 2R+1] (an odd number of buckets), "
+            f"got {tuple(rel_bias.shape)}"
+        )
+    if rel_bias.device != like.device:
+        raise ValueError(f"rel_bias is on {rel_bias.device} but q is on {like.device}")
+    if not rel_bias.is_floating_point():
+        raise TypeError(f"rel_bias must be floating point, got {rel_bias.dtype}")
