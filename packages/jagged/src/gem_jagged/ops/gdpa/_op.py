@@ -1,0 +1,106 @@
+"""``torch.library`` wiring of GDPA: forward and backward custom ops, fake shapes, autograd.
+
+The public function normalises its arguments (``kv_offsets`` filled in for self-attention, a
+concrete ``scale``) so that the ops see tensors, plain scalars and a backend name only. Both
+backends run behind the same ops, so ``torch.compile(fullgraph=True)`` traces either one as a
+single opaque node with a known output shape.
+"""
+
+import torch
+
+from . import reference
+from . import triton as kernels
+
+
+@torch.library.custom_op("gem_jagged::gdpa", mutates_args=())
+def gdpa_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    rel_bias: torch.Tensor | None,
+    activation: str,
+    causal: bool,
+    scale: float,
+    out_scale: float,
+    broadcast_q: bool,
+    is_cross: bool,
+    backend: str,
+) -> torch.Tensor:
+    options = dict(
+        activation=activation, causal=causal, scale=scale, out_scale=out_scale,
+        broadcast_q=broadcast_q,
+    )  # fmt: skip
+    if backend == "triton":
+        return kernels.gdpa_forward(q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, **options)
+    return reference.gdpa_reference(q, k, v, q_offsets, kv_offsets, rel_bias=rel_bias, **options)
+
+
+@gdpa_op.register_fake
+def _(q, k, v, q_offsets, kv_offsets, rel_bias, activation, causal, scale, out_scale,
+      broadcast_q, is_cross, backend):  # fmt: skip
+    rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty((rows, k.shape[1], v.shape[2]))
+
+
+@torch.library.custom_op("gem_jagged::gdpa_backward", mutates_args=())
+def gdpa_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    rel_bias: torch.Tensor | None,
+    activation: str,
+    causal: bool,
+    scale: float,
+    out_scale: float,
+    broadcast_q: bool,
+    is_cross: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, d_rel_bias)``; ``d_rel_bias`` is an empty tensor when there is no bias."""
+    options = dict(
+        activation=activation, causal=causal, scale=scale, out_scale=out_scale,
+        broadcast_q=broadcast_q,
+    )  # fmt: skip
+    if backend == "triton":
+        dq, dk, dv, d_bias = kernels.gdpa_backward(
+            grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
+            **options,
+        )  # fmt: skip
+    else:
+        dq, dk, dv, d_bias = reference.gdpa_reference_backward(
+            grad_out, q, k, v, q_offsets, kv_offsets, rel_bias=rel_bias, **options
+        )
+    if d_bias is None:
+        d_bias = q.new_empty((0,))
+    return dq, dk, dv, d_bias
+
+
+@gdpa_backward_op.register_fake
+def _(grad_out, q, k, v, q_offsets, kv_offsets, rel_bias, activation, causal, scale,
+      out_scale, broadcast_q, is_cross, backend):  # fmt: skip
+    d_bias = q.new_empty((0,)) if rel_bias is None else torch.empty_like(rel_bias)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_bias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, kv_offsets, rel_bias, *options = inputs
+    ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, rel_bias)
+    ctx.options = options
+
+
+def _backward(ctx, grad_out):
+    q, k, v, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
+    activation, causal, scale, out_scale, broadcast_q, is_cross, backend = ctx.options
+    dq, dk, dv, d_bias = gdpa_backward_op(
+        grad_out.contiguous(), q, k, v, q_offsets, kv_offsets, rel_bias,
+        activation, causal, scale, out_scale, broadcast_q, is_cross, backend,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, (d_bias if rel_bias is not None else None), *([None] * 7)
+
+
+gdpa_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,490 @@
+"""GDPA Triton kernels: forward, and a backward that is recompute plus matmuls (no LSE).
+
+Legend (shape suffixes): ``T`` tokens (``Tq`` queries, ``Tk`` keys), ``B`` sequences, ``N`` heads,
+``H`` head dim, ``S`` PMA seeds, ``W`` work items (tiles of a jagged dimension), ``NB`` relative
+bias buckets (``2R+1``). ``q_TNH`` is a query tensor of ``Tq`` rows, ``offsets_Bp1`` an offsets
+tensor of ``B+1`` entries.
+
+Why it is simpler than softmax attention: with a pointwise activation every (query, key) pair
+contributes independently. The forward keeps no running max and no denominator, nothing but the
+accumulator is saved, and a sum over key chunks may be split across programs and added up
+(PMA does this: its few seeds meet long key sequences). The backward recomputes the scores and
+needs no row statistic (softmax needs ``rowsum(dO ⊙ O)``):
+
+    P = act(S)        dV = Pᵀ dO        dS = (dO Vᵀ) ⊙ act'(S)        dQ = dS K        dK = dSᵀ Q
+
+Schedules (work lists are built on the device from the offsets, heavy sequences first, no host
+synchronisation; programs past the real tile count exit at once):
+
+- forward, self/cross: one program per (query tile, head), looping over the visible key tiles.
+- forward, PMA: one program per (key chunk, head, seed tile); partial outputs of a sequence's
+  chunks are summed by fp32 atomics (exact in count: each output row gets one add per chunk).
+- backward dK/dV: one program per (key tile, head), keys resident while query tiles stream past;
+  for PMA it also reduces its dQ contribution and adds it once to a shared fp32 buffer.
+- backward dQ (not PMA): one program per (query tile, head), looping over key tiles.
+- relative bias gradient: each program reduces its buckets into a private row of a partial
+  buffer ``[W, N, NB]``; one ``sum`` over ``W`` finishes it (deterministic, no atomics).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._worklist import key_tiles, query_tiles
+
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "sigmoid": 4, "identity": 5}
+
+
+@triton.jit
+def _activation_and_slope(s, ACT: tl.constexpr):
+    """``act(s)`` and ``act'(s)`` in fp32."""
+    if ACT == 0:  # silu
+        sig = tl.sigmoid(s)
+        return s * sig, sig * (1.0 + s * (1.0 - sig))
+    elif ACT == 1:  # gelu (erf)
+        cdf = 0.5 * (1.0 + tl.math.erf(s * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * s * s) * 0.3989422804014327
+        return s * cdf, cdf + s * pdf
+    elif ACT == 2:  # gelu (tanh approximation); tanh(u) = 2σ(2u) − 1
+        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        du = 0.7978845608028654 * (1.0 + 0.134145 * s * s)
+        return 0.5 * s * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * du
+    elif ACT == 3:  # relu
+        return tl.maximum(s, 0.0), (s > 0.0).to(tl.float32)
+    elif ACT == 4:  # sigmoid
+        sig = tl.sigmoid(s)
+        return sig, sig * (1.0 - sig)
+    else:  # identity
+        return s, tl.full(s.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _activation(s, ACT: tl.constexpr):
+    if ACT == 0:
+        return s * tl.sigmoid(s)
+    elif ACT == 1:
+        return 0.5 * s * (1.0 + tl.math.erf(s * 0.7071067811865476))
+    elif ACT == 2:
+        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+        return s * tl.sigmoid(2.0 * u)
+    elif ACT == 3:
+        return tl.maximum(s, 0.0)
+    elif ACT == 4:
+        return tl.sigmoid(s)
+    else:
+        return s
+
+
+@triton.jit
+def _pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL: tl.constexpr):
+    """Visible (query, key) pairs of one tile: inside both sequences, and causal bottom-right."""
+    visible = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (kv_len - q_len))
+    return visible
+
+
+@triton.jit
+def _bias_buckets(offs_m, offs_n, RADIUS):
+    rel = offs_n[None, :] - offs_m[:, None]
+    return tl.minimum(tl.maximum(rel, -RADIUS), RADIUS) + RADIUS
+
+
+@triton.jit
+def _accumulate_bias_grad(acc_NB, ds, bucket, NB_POW2: tl.constexpr):
+    """Add the sum of ``ds`` over each bucket into ``acc_NB`` (one pass per bucket the tile touches).
+
+    Tiles away from the diagonal band fall into one clamped bucket and cost a single reduction.
+    """
+    lo = tl.min(tl.min(bucket, axis=1), axis=0)
+    hi = tl.max(tl.max(bucket, axis=1), axis=0)
+    idx = tl.arange(0, NB_POW2)
+    for b in range(lo, hi + 1):
+        total = tl.sum(tl.sum(tl.where(bucket == b, ds, 0.0), axis=1), axis=0)
+        acc_NB = tl.where(idx == b, acc_NB + total, acc_NB)
+    return acc_NB
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """``a @ b`` in fp32; exact fp32 products for fp32 inputs (no tf32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _sequence(
+    q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q: tl.constexpr
+):  # fmt: skip
+    """(first query row, queries, first output row, first key row, keys) of sequence ``seq``."""
+    kv_begin = tl.load(kv_offsets_ptr + seq).to(tl.int64)
+    kv_len = (tl.load(kv_offsets_ptr + seq + 1) - kv_begin).to(tl.int32)
+    if BROADCAST_Q:  # PMA: the seeds are shared; output rows are stacked S per sequence
+        q_begin = tl.zeros((), tl.int64)
+        q_len = num_seeds
+        out_begin = seq.to(tl.int64) * num_seeds
+    else:
+        q_begin = tl.load(q_offsets_ptr + seq).to(tl.int64)
+        q_len = (tl.load(q_offsets_ptr + seq + 1) - q_begin).to(tl.int32)
+        out_begin = q_begin
+    return q_begin, q_len, out_begin, kv_begin, kv_len
+
+
+@triton.jit
+def _load_rows(ptr, begin, offs, length, stride, head_col):
+    return tl.load(
+        ptr + (begin + offs)[:, None] * stride + head_col[None, :],
+        mask=(offs < length)[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _gdpa_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr,
+    q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, hi_W_ptr,
+    stride_qt, stride_kt, stride_vt, stride_ot,
+    num_seeds, scale, out_scale, RADIUS,
+    H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BROADCAST_Q: tl.constexpr, KV_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Stage 1: which sequence, which query rows and which key range this program owns.
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(seq_W_ptr + pid)
+    if seq < 0:
+        return
+    q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
+        q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q
+    )
+    if BROADCAST_Q:  # the list tiles the keys in chunks; axis 2 tiles the seeds
+        q_start = tl.program_id(2) * BLOCK_M
+        kv_lo = tl.load(start_W_ptr + pid)
+        kv_hi = tl.minimum(kv_lo + KV_CHUNK, kv_len)
+        if CAUSAL:
+            kv_hi = tl.minimum(kv_hi, q_start + BLOCK_M + kv_len - q_len)
+    else:  # the list tiles the queries and gives the visible key range [0, hi)
+        q_start = tl.load(start_W_ptr + pid)
+        kv_lo = 0
+        kv_hi = tl.load(hi_W_ptr + pid)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    head_col = head * H + tl.arange(0, H)
+    q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+    acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
+    # Stage 2: stream key/value tiles: S = scale·QKᵀ (+ bias), P = act(S) ⊙ mask, acc += P V.
+    for start_n in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+        s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
+        if HAS_BIAS:
+            bucket = _bias_buckets(offs_m, offs_n, RADIUS)
+            s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket).to(tl.float32)
+        p_MN = _activation(s_MN, ACT)
+        p_MN = tl.where(_pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL), p_MN, 0.0)
+        acc_MH += _mm(p_MN.to(v_NH.dtype), v_NH, IEEE)
+    # Stage 3: write (or, for PMA key chunks, add) the scaled accumulator.
+    acc_MH = acc_MH * out_scale
+    out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
+    if BROADCAST_Q:
+        tl.atomic_add(out_ptrs, acc_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc_MH.to(out_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+
+
+@triton.jit
+def _gdpa_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
+    q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, lo_W_ptr, hi_W_ptr,
+    stride_qt, stride_kt, stride_vt, stride_dot, stride_dkt, stride_dvt, stride_dqt,
+    num_heads, num_seeds, scale, out_scale, RADIUS,
+    H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BROADCAST_Q: tl.constexpr, ATOMIC_KV: tl.constexpr, NB_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Stage 1: one key tile of one sequence and head stays on chip; its query range [lo, hi).
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(seq_W_ptr + pid)
+    if seq < 0:
+        return
+    q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
+        q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q
+    )
+    k_start = tl.load(start_W_ptr + pid)
+    q_lo = tl.load(lo_W_ptr + pid)
+    q_hi = tl.load(hi_W_ptr + pid)
+    offs_n = k_start + tl.arange(0, BLOCK_N)
+    head_col = head * H + tl.arange(0, H)
+    k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+    v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+    dk_NH = tl.zeros((BLOCK_N, H), tl.float32)
+    dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
+    dbias_NB = tl.zeros((NB_POW2,), tl.float32)
+    # Stage 2: stream query tiles, working on transposed scores Sᵀ [keys, queries].
+    for q_start in range(q_lo, q_hi, BLOCK_M):
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+        do_MH = _load_rows(do_ptr, out_begin, offs_m, q_len, stride_dot, head_col)
+        sT_NM = _mm(k_NH, tl.trans(q_MH), IEEE) * scale
+        if HAS_BIAS:
+            relT_NM = offs_n[:, None] - offs_m[None, :]
+            bucketT_NM = tl.minimum(tl.maximum(relT_NM, -RADIUS), RADIUS) + RADIUS
+            sT_NM += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucketT_NM).to(tl.float32)
+        pT_NM, slopeT_NM = _activation_and_slope(sT_NM, ACT)
+        visibleT_NM = tl.trans(_pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL))
+        pT_NM = tl.where(visibleT_NM, pT_NM, 0.0)
+        dv_NH += _mm(pT_NM.to(do_MH.dtype), do_MH, IEEE)
+        dpT_NM = _mm(v_NH, tl.trans(do_MH), IEEE)
+        dsT_NM = tl.where(visibleT_NM, dpT_NM * slopeT_NM, 0.0) * out_scale
+        dk_NH += _mm(dsT_NM.to(q_MH.dtype), q_MH, IEEE)
+        if BROADCAST_Q:  # seeds are shared by all sequences: add this tile's dQ share once
+            dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
+            dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqt + head_col[None, :]
+            tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
+            if HAS_BIAS:
+                dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
+    # Stage 3: dK = scale·dSᵀQ, dV = out_scale·PᵀdO; split tiles add into fp32 buffers.
+    dk_NH = dk_NH * scale
+    dv_NH = dv_NH * out_scale
+    rows = (offs_n < kv_len)[:, None]
+    dk_ptrs = dk_ptr + (kv_begin + offs_n)[:, None] * stride_dkt + head_col[None, :]
+    dv_ptrs = dv_ptr + (kv_begin + offs_n)[:, None] * stride_dvt + head_col[None, :]
+    if ATOMIC_KV:
+        tl.atomic_add(dk_ptrs, dk_NH, mask=rows, sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv_NH, mask=rows, sem="relaxed")
+    else:
+        tl.store(dk_ptrs, dk_NH.to(dk_ptr.dtype.element_ty), mask=rows)
+        tl.store(dv_ptrs, dv_NH.to(dv_ptr.dtype.element_ty), mask=rows)
+    if BROADCAST_Q & HAS_BIAS:
+        idx = tl.arange(0, NB_POW2)
+        tl.store(dbias_WNB_ptr + (pid * num_heads + head) * NB_POW2 + idx, dbias_NB)
+
+
+@triton.jit
+def _gdpa_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
+    q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, hi_W_ptr,
+    stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt,
+    num_heads, scale, out_scale, RADIUS,
+    H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Stage 1: one query tile and its gradient dO stay on chip.
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(seq_W_ptr + pid)
+    if seq < 0:
+        return
+    q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
+        q_offsets_ptr, kv_offsets_ptr, seq, 0, False
+    )
+    q_start = tl.load(start_W_ptr + pid)
+    kv_hi = tl.load(hi_W_ptr + pid)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    head_col = head * H + tl.arange(0, H)
+    q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+    do_MH = _load_rows(do_ptr, q_begin, offs_m, q_len, stride_dot, head_col)
+    dq_MH = tl.zeros((BLOCK_M, H), tl.float32)
+    dbias_NB = tl.zeros((NB_POW2,), tl.float32)
+    # Stage 2: stream key tiles: dS = (dO Vᵀ) ⊙ act'(S), dQ += dS K.
+    for start_n in range(0, kv_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+        s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
+        if HAS_BIAS:
+            bucket_MN = _bias_buckets(offs_m, offs_n, RADIUS)
+            s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket_MN).to(tl.float32)
+        slope_MN = _activation_and_slope(s_MN, ACT)[1]
+        dp_MN = _mm(do_MH, tl.trans(v_NH), IEEE)
+        visible = _pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL)
+        ds_MN = tl.where(visible, dp_MN * slope_MN, 0.0) * out_scale
+        dq_MH += _mm(ds_MN.to(k_NH.dtype), k_NH, IEEE)
+        if HAS_BIAS:
+            dbias_NB = _accumulate_bias_grad(dbias_NB, ds_MN, bucket_MN, NB_POW2)
+    # Stage 3: write dQ = scale·dS K and this program's bias-gradient partial.
+    dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
+    tl.store(dq_ptrs, (dq_MH * scale).to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+    if HAS_BIAS:
+        idx = tl.arange(0, NB_POW2)
+        tl.store(dbias_WNB_ptr + (pid * num_heads + head) * NB_POW2 + idx, dbias_NB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GdpaTiles:
+    """Tile shapes and launch options of the three kernels (rows of queries ``m``, keys ``n``)."""
+
+    fwd_m: int = 128
+    fwd_n: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    dkdv_m: int = 64
+    dkdv_n: int = 128
+    dkdv_warps: int = 8
+    dkdv_stages: int = 2
+    dq_m: int = 128
+    dq_n: int = 64
+    dq_warps: int = 8
+    dq_stages: int = 2
+    pma_chunk: int = 256  # keys per PMA forward program
+    cross_split_rows: int = 512  # cross-attention key tiles split their query range this finely
+    cross_max_splits: int = 16
+
+
+INTERPRETER_TILES = GdpaTiles(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 32, 4)
+
+
+def default_tiles(device: torch.device, head_dim: int) -> GdpaTiles:
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    if head_dim <= 64:
+        return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
+    return GdpaTiles()
+
+
+def _seed_block(num_seeds: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(max(num_seeds, 1))))
+
+
+def _seed_offsets(kv_offsets: torch.Tensor, num_seeds: int) -> torch.Tensor:
+    """PMA: every sequence has the same ``S`` queries (the seeds)."""
+    batch = kv_offsets.numel() - 1
+    return torch.arange(batch + 1, device=kv_offsets.device, dtype=torch.int64) * num_seeds
+
+
+def gdpa_forward(
+    q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
+    out_scale, broadcast_q, rel_bias_NB, tiles: GdpaTiles | None = None,
+):  # fmt: skip
+    """Launch the forward kernel; ``kv_offsets_Bp1`` is never None here (self: the q offsets)."""
+    q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
+    num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
+    tiles = tiles or default_tiles(q_TNH.device, head_dim)
+    has_bias = rel_bias_NB is not None
+    bias = rel_bias_NB.contiguous() if has_bias else q_TNH
+    radius = (rel_bias_NB.shape[1] - 1) // 2 if has_bias else 0
+    common = dict(
+        H=head_dim, ACT=ACTIVATION_CODES[activation], CAUSAL=causal, HAS_BIAS=has_bias,
+        IEEE=q_TNH.dtype == torch.float32,
+    )  # fmt: skip
+    if broadcast_q:
+        num_seeds = q_TNH.shape[0]
+        batch = kv_offsets_Bp1.numel() - 1
+        out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
+        seed_block = _seed_block(num_seeds)
+        work = key_tiles(
+            _seed_offsets(kv_offsets_Bp1, num_seeds), kv_offsets_Bp1,
+            total_kv=k_TNH.shape[0], block=tiles.pma_chunk, causal=causal,
+        )  # fmt: skip
+        grid = (work.num_slots, num_heads, triton.cdiv(num_seeds, seed_block))
+        block_m, kv_chunk = seed_block, tiles.pma_chunk
+        q_offsets_Bp1 = kv_offsets_Bp1
+    else:
+        num_seeds = 0
+        out = torch.empty(
+            q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
+        )
+        work = query_tiles(
+            q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.fwd_m, causal=causal
+        )
+        grid = (work.num_slots, num_heads, 1)
+        block_m, kv_chunk = tiles.fwd_m, tiles.fwd_n
+    _gdpa_fwd_kernel[grid](
+        q_TNH, k_TNH, v_TNH, out, bias,
+        q_offsets_Bp1, kv_offsets_Bp1, work.seq_W, work.start_W, work.hi_W,
+        q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
+        num_seeds, scale, out_scale, radius,
+        BROADCAST_Q=broadcast_q, KV_CHUNK=kv_chunk, BLOCK_M=block_m, BLOCK_N=tiles.fwd_n,
+        num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **common,
+    )  # fmt: skip
+    return out.to(q_TNH.dtype)
+
+
+def gdpa_backward(
+    do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
+    out_scale, broadcast_q, rel_bias_NB, is_cross, tiles: GdpaTiles | None = None,
+):  # fmt: skip
+    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
+    do_TNH = do_TNH.contiguous()
+    q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
+    num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
+    tiles = tiles or default_tiles(q_TNH.device, head_dim)
+    has_bias = rel_bias_NB is not None
+    bias = rel_bias_NB.contiguous() if has_bias else q_TNH
+    num_buckets = rel_bias_NB.shape[1] if has_bias else 1
+    nb_pow2 = triton.next_power_of_2(num_buckets)
+    radius = (num_buckets - 1) // 2
+    common = dict(
+        H=head_dim, ACT=ACTIVATION_CODES[activation], CAUSAL=causal, HAS_BIAS=has_bias,
+        IEEE=q_TNH.dtype == torch.float32, NB_POW2=nb_pow2,
+    )  # fmt: skip
+    device = q_TNH.device
+    if broadcast_q:
+        num_seeds = q_TNH.shape[0]
+        block_m = _seed_block(num_seeds)
+        q_offsets_Bp1 = _seed_offsets(kv_offsets_Bp1, num_seeds)
+        dq = torch.zeros(q_TNH.shape, device=device, dtype=torch.float32)
+        work = key_tiles(
+            q_offsets_Bp1, kv_offsets_Bp1, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
+            causal=causal, align=block_m,
+        )  # fmt: skip
+        atomic_kv = False
+    else:
+        num_seeds = 0
+        block_m = tiles.dkdv_m
+        dq = torch.empty_like(q_TNH)
+        split = dict(split_rows=tiles.cross_split_rows, max_splits=tiles.cross_max_splits)
+        work = key_tiles(
+            q_offsets_Bp1, kv_offsets_Bp1, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
+            causal=causal, align=block_m, **(split if is_cross else {}),
+        )  # fmt: skip
+        atomic_kv = is_cross
+    kv_dtype = torch.float32 if atomic_kv else k_TNH.dtype
+    make = torch.zeros if atomic_kv else torch.empty
+    dk = make(k_TNH.shape, device=device, dtype=kv_dtype)
+    dv = make(v_TNH.shape, device=device, dtype=kv_dtype)
+    dbias_dkdv = torch.zeros(
+        (work.num_slots if broadcast_q and has_bias else 1, num_heads, nb_pow2),
+        device=device, dtype=torch.float32,
+    )  # fmt: skip
+    _gdpa_bwd_dkdv_kernel[(work.num_slots, num_heads)](
+        q_TNH, k_TNH, v_TNH, do_TNH, dk, dv, dq, bias, dbias_dkdv,
+        q_offsets_Bp1, kv_offsets_Bp1, work.seq_W, work.start_W, work.lo_W, work.hi_W,
+        q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
+        dk.stride(0), dv.stride(0), dq.stride(0),
+        num_heads, num_seeds, scale, out_scale, radius,
+        BROADCAST_Q=broadcast_q, ATOMIC_KV=atomic_kv, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
+        num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common,
+    )  # fmt: skip
+    dbias = dbias_dkdv
+    if not broadcast_q:
+        work = query_tiles(
+            q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.dq_m, causal=causal
+        )
+        dbias = torch.zeros(
+            (work.num_slots if has_bias else 1, num_heads, nb_pow2),
+            device=device,
+            dtype=torch.float32,
+        )
+        _gdpa_bwd_dq_kernel[(work.num_slots, num_heads)](
+            q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias,
+            q_offsets_Bp1, kv_offsets_Bp1, work.seq_W, work.start_W, work.hi_W,
+            q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),
+            num_heads, scale, out_scale, radius,
+            BLOCK_M=tiles.dq_m, BLOCK_N=tiles.dq_n,
+            num_warps=tiles.dq_warps, num_stages=tiles.dq_stages, **common,
+        )  # fmt: skip
+    d_rel_bias = dbias.sum(0)[:, :num_buckets].to(rel_bias_NB.dtype) if has_bias else None
+    return dq.to(q_TNH.dtype), dk.to(k_TNH.dtype), dv.to(v_TNH.dtype), d_rel_bias
