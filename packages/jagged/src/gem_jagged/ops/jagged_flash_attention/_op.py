@@ -1,0 +1,118 @@
+"""The ``torch.library`` custom ops behind ``jagged_flash_attention``, and their autograd.
+
+Two ops keep the kernels opaque to ``torch.compile`` while letting it trace through them:
+
+- ``gem_jagged::jagged_flash_attention_fwd`` returns ``(out [Tq, N, H], lse [N, Tq])``; ``lse``
+  (natural log-sum-exp of each query row, ``+inf`` for a row that sees no key) is what the
+  backward pass needs to rebuild the probabilities without storing them.
+- ``gem_jagged::jagged_flash_attention_bwd`` returns ``(dq, dk, dv, d_rel_bias)``; without a bias
+  the last one is an empty tensor (custom ops cannot return ``None``).
+
+Each op has a fake implementation (shapes only) for tracing, and the forward op's autograd
+formula calls the backward op. The ``backend`` argument picks the Triton kernels or the PyTorch
+reference; the reference's backward writes the gradient formulas out per sequence.
+"""
+
+import torch
+
+from .reference import jagged_flash_attention_reference, jagged_flash_attention_reference_backward
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("gem_jagged::jagged_flash_attention_fwd", mutates_args=())
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    rel_bias: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    max_q_len: int | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from .triton import jfa_forward
+
+        return jfa_forward(
+            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
+        )
+    with torch.no_grad():
+        out, lse = jagged_flash_attention_reference(
+            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
+        )
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_forward.register_fake
+def _(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op("gem_jagged::jagged_flash_attention_bwd", mutates_args=())
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    rel_bias: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    max_q_len: int | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from .triton import jfa_backward
+
+        dq, dk, dv, dbias = jfa_backward(
+            dout, q, k, v, out, lse, q_offsets, kv_offsets,
+            causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
+        )  # fmt: skip
+    else:
+        dq, dk, dv, dbias = jagged_flash_attention_reference_backward(
+            dout, q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
+        )
+    if dbias is None:
+        dbias = q.new_empty(0)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend):
+    dbias = q.new_empty(0) if rel_bias is None else torch.empty_like(rel_bias)
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+        dbias,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, rel_bias)
+    ctx.options = (causal, scale, max_q_len, backend)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
+    causal, scale, max_q_len, backend = ctx.options
+    dq, dk, dv, dbias = attention_backward(
+        dout, q, k, v, out, lse, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend
+    )
+    return dq, dk, dv, None, None, (dbias if rel_bias is not None else None), None, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

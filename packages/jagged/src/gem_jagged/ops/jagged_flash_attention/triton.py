@@ -1,0 +1,567 @@
+"""Jagged flash attention in Triton: forward, and backward split into a dK/dV and a dQ kernel.
+
+Legend (shape suffixes): ``Tq``/``Tk`` total query/key tokens, ``B`` sequences, ``N`` heads,
+``H`` head dim, ``W`` work-list slots, ``R2`` relative-bias buckets (2R+1), ``M``/``Nk`` rows of
+a query/key tile (BLOCK_M/BLOCK_N).
+
+Forward (one program per (query tile, head), heaviest tiles first, see ``gem_jagged._worklist``)
+    The classic online softmax: the query tile stays in registers while key/value blocks stream
+    past; running max ``m``, running sum ``l`` and the output accumulator are rescaled as the max
+    grows. Scores live in the log2 domain (``scale · log2 e`` is folded into one multiply, so the
+    exponentials are ``exp2``). Key blocks wholly below the causal diagonal run without any mask;
+    only the blocks crossing the diagonal or the end of the sequence pay for masking, and blocks
+    wholly above it are never visited. The (natural) log-sum-exp of each row is saved for
+    the backward pass; a row that sees no key saves ``+inf`` and outputs zeros.
+
+Backward, dK/dV kernel (one program per (key tile, query-range chunk, head))
+    Keeps a key/value tile in registers and streams the query blocks that can see it, rebuilding
+    ``Pᵀ = exp2(K Qᵀ · c − lse)`` from the saved log-sum-exp and accumulating ``dV += Pᵀ dO`` and
+    ``dK += dSᵀ Q`` with ``dS = P ⊙ (dP − δ)``, ``δ = rowsum(dO ⊙ O)``. The key tiles of a long
+    sequence see thousands of query rows; the work list splits that query range into chunks so
+    one 20k-token sequence spreads over many programs. Chunks of a split tile add their partial
+    dK/dV into a float32 scratch with atomics; unsplit tiles store directly.
+
+Backward, dQ kernel (one program per (query tile, head), the forward's work list)
+    Mirrors the forward loop: ``dQ += dS K``. It also owns the relative-bias gradient: each
+    program reduces ``dS`` of its tiles by diagonal (a tile far from the diagonal band adds its
+    whole sum to the first or last bucket; a tile in the band is skewed with a gather so each
+    diagonal becomes a column, then summed) into registers and its own row of a partial buffer,
+    and the rows are summed once on the host side of the launch. No global per-element atomics.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_jagged._worklist import key_tiles, query_tiles
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class JaggedAttentionConfig:
+    """Tile shapes and launch options of the three kernels for one head dim."""
+
+    fwd_block_m: int
+    fwd_block_n: int
+    fwd_warps: int
+    fwd_stages: int
+    dkdv_block_m: int  # query rows streamed per step
+    dkdv_block_n: int  # key rows held by a program
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+    dq_stages: int
+    split_rows: int  # a key tile seeing more query rows than this is split ...
+    max_splits: int  # ... into at most this many chunks
+
+
+_INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3)
+
+_GPU_CONFIGS = {
+    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 2, 128, 64, 8, 2, 2048, 8),
+    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 2048, 8),
+    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 2048, 8),
+}
+
+
+def config_for(head_dim: int, device: torch.device) -> JaggedAttentionConfig:
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIGS[head_dim]
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_sequence(offsets_Bp1, seq):
+    begin = tl.load(offsets_Bp1 + seq).to(tl.int64)
+    end = tl.load(offsets_Bp1 + seq + 1).to(tl.int64)
+    return begin, (end - begin).to(tl.int32)
+
+
+@triton.jit
+def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
+    """``bias[clamp(j − i, −R, R) + R]`` for a [M, Nk] tile, as float32."""
+    rel_MN = cols_N[None, :] - rows_M[:, None]
+    index_MN = tl.minimum(tl.maximum(rel_MN, -radius), radius) + radius
+    return tl.load(bias_head_R2 + index_MN).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_blocks(
+    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2,
+    rows_M, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Stream key blocks ``[start, stop)`` past the query tile (online softmax update)."""
+    dims_H = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
+        cols_N = block_start + tl.arange(0, BLOCK_N)
+        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_t + dims_H[None, :]
+        if MASKED:
+            in_seq_N = cols_N < k_len
+            k_NH = tl.load(k_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
+            v_NH = tl.load(v_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
+        else:
+            k_NH = tl.load(k_head + kv_offsets_NH)
+            v_NH = tl.load(v_head + kv_offsets_NH)
+        # Stage 1: scores in the log2 domain.
+        s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
+        if HAS_BIAS:
+            s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
+        if MASKED:
+            visible_MN = in_seq_N[None, :]
+            if CAUSAL:
+                visible_MN = visible_MN & (cols_N[None, :] <= rows_M[:, None] + diag)
+            s_MN = tl.where(visible_MN, s_MN, float("-inf"))
+        # Stage 2: online softmax; a row that has seen nothing yet keeps max -inf safely.
+        m_new_M = tl.maximum(m_M, tl.max(s_MN, 1))
+        if MASKED:
+            m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+        else:
+            m_use_M = m_new_M
+        p_MN = tl.math.exp2(s_MN - m_use_M[:, None])
+        alpha_M = tl.math.exp2(m_M - m_use_M)
+        l_M = l_M * alpha_M + tl.sum(p_MN, 1)
+        # Stage 3: rescale and accumulate P V.
+        acc_MH = acc_MH * alpha_M[:, None]
+        acc_MH = tl.dot(p_MN.to(v_NH.dtype), v_NH, acc_MH, input_precision=DOT_PRECISION)
+        m_M = m_new_M
+    return acc_MH, l_M, m_M
+
+
+@triton.jit
+def _jfa_fwd_kernel(
+    q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq, bias_NR2,
+    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
+    num_heads, total_q, qk_scale_log2, radius,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    slot = pid // num_heads
+    head = pid % num_heads
+    seq = tl.load(work_seq_W + slot)
+    if seq < 0:
+        return
+    q_start = tl.load(work_start_W + slot)
+    k_stop = tl.load(work_hi_W + slot)
+    q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
+    k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
+    diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
+    stride_t = num_heads * HEAD_DIM
+
+    rows_M = q_start + tl.arange(0, BLOCK_M)
+    dims_H = tl.arange(0, HEAD_DIM)
+    row_ok_M = rows_M < q_len
+    q_offsets_MH = (q_begin + rows_M.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
+    q_MH = tl.load(q_TqNH + q_offsets_MH + dims_H[None, :], mask=row_ok_M[:, None], other=0.0)
+    k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
+    v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
+    bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
+
+    m_M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_M = tl.zeros([BLOCK_M], tl.float32)
+    acc_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Key blocks that every row of the tile sees completely need no mask.
+    full_stop = k_len
+    if CAUSAL:
+        full_stop = tl.minimum(full_stop, q_start + 1 + diag)
+    full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
+    full_stop = tl.minimum(full_stop, k_stop)
+    acc_MH, l_M, m_M = _fwd_key_blocks(
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, rows_M, k_len, diag,
+        0, full_stop, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    acc_MH, l_M, m_M = _fwd_key_blocks(
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, rows_M, k_len, diag,
+        full_stop, k_stop, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+
+    # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
+    seen_M = l_M > 0.0
+    out_MH = acc_MH / tl.where(seen_M, l_M, 1.0)[:, None]
+    log2_sum_M = m_M + tl.math.log2(tl.where(seen_M, l_M, 1.0))
+    lse_M = tl.where(seen_M, log2_sum_M * 0.6931471805599453, float("inf"))  # natural log
+    tl.store(
+        out_TqNH + q_offsets_MH + dims_H[None, :],
+        out_MH.to(out_TqNH.dtype.element_ty),
+        mask=row_ok_M[:, None],
+    )
+    tl.store(lse_NTq + head * total_q + q_begin + rows_M, lse_M, mask=row_ok_M)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dK and dV
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_query_blocks(
+    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
+    cols_N, q_len, diag, start, stop, qk_scale_log2, radius, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Stream query blocks ``[start, stop)`` past the key tile, accumulating dK (unscaled), dV."""
+    dims_H = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_M, num_stages=NUM_STAGES):
+        rows_M = block_start + tl.arange(0, BLOCK_M)
+        row_ok_M = rows_M < q_len
+        q_offsets_MH = rows_M.to(tl.int64)[:, None] * stride_t + dims_H[None, :]
+        q_MH = tl.load(q_head + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+        do_MH = tl.load(do_head + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+        lse_M = tl.load(lse_head + rows_M, mask=row_ok_M, other=float("inf")) * 1.4426950408889634
+        delta_M = tl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
+        # Rebuild Pᵀ from the saved log-sum-exp.
+        s_NM = tl.dot(k_NH, tl.trans(q_MH), input_precision=DOT_PRECISION) * qk_scale_log2
+        if HAS_BIAS:
+            s_NM += (
+                tl.trans(_relative_bias(bias_head_R2, rows_M, cols_N, radius)) * 1.4426950408889634
+            )
+        p_NM = tl.math.exp2(s_NM - lse_M[None, :])
+        if MASKED:
+            if CAUSAL:
+                p_NM = tl.where(cols_N[:, None] <= rows_M[None, :] + diag, p_NM, 0.0)
+        dv_NH = tl.dot(p_NM.to(do_MH.dtype), do_MH, dv_NH, input_precision=DOT_PRECISION)
+        dp_NM = tl.dot(v_NH, tl.trans(do_MH), input_precision=DOT_PRECISION)
+        ds_NM = p_NM * (dp_NM - delta_M[None, :])
+        dk_NH = tl.dot(ds_NM.to(q_MH.dtype), q_MH, dk_NH, input_precision=DOT_PRECISION)
+    return dk_NH, dv_NH
+
+
+@triton.jit
+def _jfa_dkdv_kernel(
+    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2,
+    dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
+    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
+    num_heads, total_q, scale, qk_scale_log2, radius,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    slot = pid // num_heads
+    head = pid % num_heads
+    seq = tl.load(work_seq_W + slot)
+    if seq < 0:
+        return
+    k_start = tl.load(work_start_W + slot)
+    q_lo = tl.load(work_lo_W + slot)
+    q_hi = tl.load(work_hi_W + slot)
+    splits = tl.load(work_splits_W + slot)
+    q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
+    k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
+    diag = k_len - q_len
+    stride_t = num_heads * HEAD_DIM
+
+    cols_N = k_start + tl.arange(0, BLOCK_N)
+    dims_H = tl.arange(0, HEAD_DIM)
+    col_ok_N = cols_N < k_len
+    kv_offsets_NH = (k_begin + cols_N.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
+    kv_offsets_NH += dims_H[None, :]
+    k_NH = tl.load(k_TkNH + kv_offsets_NH, mask=col_ok_N[:, None], other=0.0)
+    v_NH = tl.load(v_TkNH + kv_offsets_NH, mask=col_ok_N[:, None], other=0.0)
+    q_head = q_TqNH + q_begin * stride_t + head * HEAD_DIM
+    do_head = do_TqNH + q_begin * stride_t + head * HEAD_DIM
+    lse_head = lse_NTq + head * total_q + q_begin
+    delta_head = delta_NTq + head * total_q + q_begin
+    bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
+
+    dk_NH = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv_NH = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # Query blocks starting before the last key's diagonal need the causal mask; later ones
+    # see the whole key tile.
+    mask_stop = q_lo
+    if CAUSAL:
+        first_full = k_start + BLOCK_N - 1 - diag
+        mask_stop = q_lo + tl.maximum(first_full - q_lo + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
+        mask_stop = tl.minimum(mask_stop, q_hi)
+    dk_NH, dv_NH = _dkdv_query_blocks(
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
+        cols_N, q_len, diag, q_lo, mask_stop, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    dk_NH, dv_NH = _dkdv_query_blocks(
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
+        cols_N, q_len, diag, mask_stop, q_hi, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    dk_NH = dk_NH * scale
+    if splits > 1:
+        tl.atomic_add(dk_scratch_TkNH + kv_offsets_NH, dk_NH, mask=col_ok_N[:, None], sem="relaxed")
+        tl.atomic_add(dv_scratch_TkNH + kv_offsets_NH, dv_NH, mask=col_ok_N[:, None], sem="relaxed")
+    else:
+        out_ty = dk_TkNH.dtype.element_ty
+        tl.store(dk_TkNH + kv_offsets_NH, dk_NH.to(out_ty), mask=col_ok_N[:, None])
+        tl.store(dv_TkNH + kv_offsets_NH, dv_NH.to(out_ty), mask=col_ok_N[:, None])
+
+
+@triton.jit
+def _jfa_dkdv_finish_kernel(
+    dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
+    kv_offsets_Bp1, work_seq_W, work_start_W, work_splits_W, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Cast the float32 sums of split key tiles into dK/dV (every chunk writes the same rows)."""
+    pid = tl.program_id(0)
+    slot = pid // num_heads
+    head = pid % num_heads
+    seq = tl.load(work_seq_W + slot)
+    splits = tl.load(work_splits_W + slot)
+    if (seq < 0) | (splits <= 1):
+        return
+    k_start = tl.load(work_start_W + slot)
+    k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
+    stride_t = num_heads * HEAD_DIM
+    cols_N = k_start + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < k_len
+    offsets_NH = (k_begin + cols_N.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
+    offsets_NH += tl.arange(0, HEAD_DIM)[None, :]
+    out_ty = dk_TkNH.dtype.element_ty
+    dk_NH = tl.load(dk_scratch_TkNH + offsets_NH, mask=col_ok_N[:, None], other=0.0)
+    dv_NH = tl.load(dv_scratch_TkNH + offsets_NH, mask=col_ok_N[:, None], other=0.0)
+    tl.store(dk_TkNH + offsets_NH, dk_NH.to(out_ty), mask=col_ok_N[:, None])
+    tl.store(dv_TkNH + offsets_NH, dv_NH.to(out_ty), mask=col_ok_N[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dQ and the relative-bias gradient
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_key_blocks(
+    dq_MH, bias_lo, bias_hi, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+    dbias_row_R2, rows_M, q_start, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Stream key blocks ``[start, stop)``: dQ (unscaled) and the bias gradient by diagonal."""
+    dims_H = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
+        cols_N = block_start + tl.arange(0, BLOCK_N)
+        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_t + dims_H[None, :]
+        if MASKED:
+            in_seq_N = cols_N < k_len
+            k_NH = tl.load(k_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
+            v_NH = tl.load(v_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
+        else:
+            k_NH = tl.load(k_head + kv_offsets_NH)
+            v_NH = tl.load(v_head + kv_offsets_NH)
+        s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
+        if HAS_BIAS:
+            s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
+        p_MN = tl.math.exp2(s_MN - lse_M[:, None])
+        if MASKED:
+            visible_MN = in_seq_N[None, :]
+            if CAUSAL:
+                visible_MN = visible_MN & (cols_N[None, :] <= rows_M[:, None] + diag)
+            p_MN = tl.where(visible_MN, p_MN, 0.0)
+        dp_MN = tl.dot(do_MH, tl.trans(v_NH), input_precision=DOT_PRECISION)
+        ds_MN = p_MN * (dp_MN - delta_M[:, None])
+        dq_MH = tl.dot(ds_MN.to(k_NH.dtype), k_NH, dq_MH, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            # The tile covers diagonals d = j - i in [d_min, d_min + M + Nk - 2].
+            d_min = block_start - q_start - (BLOCK_M - 1)
+            d_max = d_min + BLOCK_M + BLOCK_N - 2
+            if d_max <= -radius:
+                bias_lo += tl.sum(tl.sum(ds_MN, 1), 0)
+            elif d_min >= radius:
+                bias_hi += tl.sum(tl.sum(ds_MN, 1), 0)
+            else:
+                # Skew: column c' of row r holds ds[r, c' + r - (M - 1)], so column c' is the
+                # diagonal d_min + c'. Sum the rows and add each diagonal to its clamped bucket.
+                r_M = tl.arange(0, BLOCK_M)
+                c_D = tl.arange(0, BLOCK_M + BLOCK_N)
+                src_MD = c_D[None, :] + r_M[:, None] - (BLOCK_M - 1)
+                in_tile_MD = (src_MD >= 0) & (src_MD < BLOCK_N)
+                src_MD = tl.minimum(tl.maximum(src_MD, 0), BLOCK_N - 1)
+                skewed_MD = tl.gather(ds_MN, src_MD, 1)
+                diag_sums_D = tl.sum(tl.where(in_tile_MD, skewed_MD, 0.0), 0)
+                bucket_D = tl.minimum(tl.maximum(d_min + c_D, -radius), radius) + radius
+                tl.atomic_add(
+                    dbias_row_R2 + bucket_D,
+                    diag_sums_D,
+                    mask=c_D < BLOCK_M + BLOCK_N - 1,
+                    sem="relaxed",
+                )
+    return dq_MH, bias_lo, bias_hi
+
+
+@triton.jit
+def _jfa_dq_kernel(
+    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2, dq_TqNH, dbias_part_PR2,
+    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
+    num_heads, total_q, scale, qk_scale_log2, radius,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    slot = pid // num_heads
+    head = pid % num_heads
+    seq = tl.load(work_seq_W + slot)
+    if seq < 0:
+        return
+    q_start = tl.load(work_start_W + slot)
+    k_stop = tl.load(work_hi_W + slot)
+    q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
+    k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
+    diag = k_len - q_len
+    stride_t = num_heads * HEAD_DIM
+
+    rows_M = q_start + tl.arange(0, BLOCK_M)
+    dims_H = tl.arange(0, HEAD_DIM)
+    row_ok_M = rows_M < q_len
+    q_offsets_MH = (q_begin + rows_M.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
+    q_offsets_MH += dims_H[None, :]
+    q_MH = tl.load(q_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+    do_MH = tl.load(do_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+    lse_M = tl.load(lse_NTq + head * total_q + q_begin + rows_M, mask=row_ok_M, other=float("inf"))
+    lse_M = lse_M * 1.4426950408889634  # the kernels work in log2
+    delta_M = tl.load(delta_NTq + head * total_q + q_begin + rows_M, mask=row_ok_M, other=0.0)
+    k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
+    v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
+    bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
+    dbias_row_R2 = dbias_part_PR2 + pid.to(tl.int64) * (2 * radius + 1)
+
+    dq_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bias_lo = tl.zeros([], tl.float32)
+    bias_hi = tl.zeros([], tl.float32)
+    full_stop = k_len
+    if CAUSAL:
+        full_stop = tl.minimum(full_stop, q_start + 1 + diag)
+    full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
+    full_stop = tl.minimum(full_stop, k_stop)
+    dq_MH, bias_lo, bias_hi = _dq_key_blocks(
+        dq_MH, bias_lo, bias_hi, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+        dbias_row_R2, rows_M, q_start, k_len, diag, 0, full_stop, qk_scale_log2, radius,
+        stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    dq_MH, bias_lo, bias_hi = _dq_key_blocks(
+        dq_MH, bias_lo, bias_hi, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+        dbias_row_R2, rows_M, q_start, k_len, diag, full_stop, k_stop, qk_scale_log2, radius,
+        stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    tl.store(
+        dq_TqNH + q_offsets_MH, (dq_MH * scale).to(dq_TqNH.dtype.element_ty), mask=row_ok_M[:, None]
+    )
+    if HAS_BIAS:
+        tl.atomic_add(dbias_row_R2, bias_lo, sem="relaxed")
+        tl.atomic_add(dbias_row_R2 + 2 * radius, bias_hi, sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _radius(rel_bias):
+    return 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
+
+
+def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None):
+    """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32)``."""
+    total_q, num_heads, head_dim = q.shape
+    cfg = config_for(head_dim, q.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
+    work = query_tiles(q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal)
+    bias = rel_bias.contiguous() if rel_bias is not None else q
+    _jfa_fwd_kernel[(work.num_slots * num_heads,)](
+        q, k, v, out, lse, bias, q_offsets, kv_offsets,
+        work.seq_W, work.start_W, work.hi_W,
+        num_heads, total_q, scale * LOG2E, _radius(rel_bias),
+        HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
+        CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def jfa_backward(
+    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
+):
+    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
+    total_q, num_heads, head_dim = q.shape
+    total_k = k.shape[0]
+    cfg = config_for(head_dim, q.device)
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1).t().contiguous()  # [N, Tq]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    has_bias = rel_bias is not None
+    bias = rel_bias.contiguous() if has_bias else q
+    radius = _radius(rel_bias)
+    precision = _dot_precision(q.dtype)
+
+    longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
+    max_splits = max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
+    kwork = key_tiles(
+        q_offsets, kv_offsets, total_kv=total_k, block=cfg.dkdv_block_n, causal=causal,
+        align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits,
+    )  # fmt: skip
+    if max_splits > 1:
+        dk_scratch = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_scratch = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    else:
+        dk_scratch = dv_scratch = dk
+    grid_k = (kwork.num_slots * num_heads,)
+    _jfa_dkdv_kernel[grid_k](
+        q, k, v, dout, lse, delta, bias, dk, dv, dk_scratch, dv_scratch,
+        q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
+        num_heads, total_q, scale, scale * LOG2E, radius,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+        CAUSAL=causal, HAS_BIAS=has_bias, DOT_PRECISION=precision,
+        NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )  # fmt: skip
+    if max_splits > 1:
+        _jfa_dkdv_finish_kernel[grid_k](
+            dk, dv, dk_scratch, dv_scratch, kv_offsets,
+            kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
+            HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n,
+        )  # fmt: skip
+
+    qwork = query_tiles(q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal)
+    num_programs = qwork.num_slots * num_heads
+    if has_bias:
+        dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
+    else:
+        dbias_part = lse
+    _jfa_dq_kernel[(num_programs,)](
+        q, k, v, dout, lse, delta, bias, dq, dbias_part,
+        q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
+        num_heads, total_q, scale, scale * LOG2E, radius,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        CAUSAL=causal, HAS_BIAS=has_bias, DOT_PRECISION=precision,
+        NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+    dbias = None
+    if has_bias:
+        dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0).to(rel_bias.dtype)
+    return dq, dk, dv, dbias
