@@ -89,7 +89,7 @@ def gdpa_reference(
     """Per-sequence GDPA; ``q_offsets`` is unused when ``broadcast_q`` is set."""
     out = q.new_zeros((0, q.shape[1], v.shape[2]))
     pieces = [out]
-    for _, q_b, k_b, v_b, scores, mask in _sequences(
+    for _, _q_b, _k_b, v_b, scores, mask in _sequences(
         q, k, v, q_offsets, kv_offsets, causal, scale, broadcast_q, rel_bias
     ):
         weights = activation_fn(activation, scores) * mask

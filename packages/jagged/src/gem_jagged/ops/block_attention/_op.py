@@ -1,0 +1,73 @@
+"""``torch.library`` wiring of BlockAttention: forward and backward custom ops and autograd.
+
+Both backends sit behind the same ops, so ``torch.compile(fullgraph=True)`` sees one opaque node
+whose output has the shape of ``q``; the backward op returns gradients with respect to the
+un-rotated q and k.
+"""
+
+import torch
+
+from . import reference
+from . import triton as kernels
+
+
+@torch.library.custom_op("gem_jagged::block_attention", mutates_args=())
+def block_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    rope_theta: float | None,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
+    if backend == "triton":
+        return kernels.block_attention_forward(q, k, v, offsets, **options)
+    return reference.block_attention_reference(q, k, v, offsets, **options)
+
+
+@block_attention_op.register_fake
+def _(q, k, v, offsets, block_size, causal, rope_theta, scale, backend):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("gem_jagged::block_attention_backward", mutates_args=())
+def block_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    rope_theta: float | None,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
+    if backend == "triton":
+        return kernels.block_attention_backward(grad_out, q, k, v, offsets, **options)
+    return reference.block_attention_reference_backward(grad_out, q, k, v, offsets, **options)
+
+
+@block_attention_backward_op.register_fake
+def _(grad_out, q, k, v, offsets, block_size, causal, rope_theta, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets, *options = inputs
+    ctx.save_for_backward(q, k, v, offsets)
+    ctx.options = options
+
+
+def _backward(ctx, grad_out):
+    q, k, v, offsets = ctx.saved_tensors
+    dq, dk, dv = block_attention_backward_op(grad_out.contiguous(), q, k, v, offsets, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+block_attention_op.register_autograd(_backward, setup_context=_setup_context)

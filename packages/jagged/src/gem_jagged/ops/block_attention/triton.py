@@ -1,0 +1,220 @@
+"""BlockAttention Triton kernels: one program per (block, head), RoPE fused, no loop over keys.
+
+Legend (shape suffixes): ``T`` tokens, ``B`` sequences, ``N`` heads, ``H`` head dim, ``H2`` half
+of it, ``M`` query rows of a block, ``K`` key rows of the same block (both ``BLOCK``, the block
+size rounded up to a power of two), ``W`` work items (blocks). ``q_TNH`` is a query tensor,
+``offsets_Bp1`` the offsets.
+
+A block holds at most a few hundred tokens, so its whole score matrix fits on chip: the forward
+loads q, k, v of the block, rotates q and k in registers (the first half of the head dim against
+the second, angle ``position · theta^(−2d/H)`` with the position counted from the sequence
+start), takes an exact softmax and writes the output. Nothing else is saved: the backward
+program of a block recomputes the rotation and the probabilities, forms
+``dS = P ⊙ (dP − rowsum(P ⊙ dP))``, and rotates ``dQ``/``dK`` back by the transpose before
+storing them, so no rotated copy of q or k ever reaches memory and every gradient row is written
+by exactly one program (deterministic, no atomics).
+
+Blocks are listed on the device by the shared work list (query tiles of ``block_size`` rows,
+longest sequences first), so the launch needs no host synchronisation.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._worklist import query_tiles
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rope_trig(pos_M, LOG2_THETA, H: tl.constexpr, H2: tl.constexpr):
+    """``cos, sin [M, H2]`` of ``pos · theta^(−2d/H)``."""
+    inv_freq = tl.exp2(-(tl.arange(0, H2).to(tl.float32) * 2.0 / H) * LOG2_THETA)
+    angle = pos_M.to(tl.float32)[:, None] * inv_freq[None, :]
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _load_halves(ptr, rows, valid, stride_t, head, H: tl.constexpr, H2: tl.constexpr):
+    col = head * H + tl.arange(0, H2)
+    base = ptr + rows.to(tl.int64)[:, None] * stride_t + col[None, :]
+    lo = tl.load(base, mask=valid[:, None], other=0.0)
+    hi = tl.load(base + H2, mask=valid[:, None], other=0.0)
+    return lo, hi
+
+
+@triton.jit
+def _store_halves(ptr, rows, valid, stride_t, head, lo, hi, H: tl.constexpr, H2: tl.constexpr):
+    col = head * H + tl.arange(0, H2)
+    base = ptr + rows.to(tl.int64)[:, None] * stride_t + col[None, :]
+    tl.store(base, lo.to(ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(base + H2, hi.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _block_probs(
+    q_ptr, k_ptr, offsets_ptr, seq_W_ptr, start_W_ptr, stride_qt, stride_kt,
+    block_size, scale, LOG2_THETA,
+    H: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """Shared prologue of both passes: rows, rotated halves and exact softmax ``P [M, K]``."""
+    H2: tl.constexpr = H // 2
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(seq_W_ptr + pid)
+    seq_begin = tl.load(offsets_ptr + seq)
+    seq_len = tl.load(offsets_ptr + seq + 1) - seq_begin
+    block_start = tl.load(start_W_ptr + pid)
+    local = tl.arange(0, BLOCK)
+    pos = block_start + local  # position in the sequence
+    valid = (local < block_size) & (pos < seq_len)
+    rows = seq_begin + pos
+    q1, q2 = _load_halves(q_ptr, rows, valid, stride_qt, head, H, H2)
+    k1, k2 = _load_halves(k_ptr, rows, valid, stride_kt, head, H, H2)
+    cos = tl.zeros((BLOCK, H2), tl.float32)
+    sin = tl.zeros((BLOCK, H2), tl.float32)
+    if ROPE:  # rotate in fp32, then round to the input dtype as a materialised copy would be
+        cos, sin = _rope_trig(pos, LOG2_THETA, H, H2)
+        q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+        q1 = (q1f * cos - q2f * sin).to(q_ptr.dtype.element_ty)
+        q2 = (q2f * cos + q1f * sin).to(q_ptr.dtype.element_ty)
+        k1 = (k1f * cos - k2f * sin).to(k_ptr.dtype.element_ty)
+        k2 = (k2f * cos + k1f * sin).to(k_ptr.dtype.element_ty)
+    s_MK = _mm(q1, tl.trans(k1), IEEE) + _mm(q2, tl.trans(k2), IEEE)
+    s_MK = s_MK * (scale * LOG2E)
+    visible = valid[None, :]
+    if CAUSAL:
+        visible = visible & (local[None, :] <= local[:, None])
+    s_MK = tl.where(visible, s_MK, -1.0e30)
+    row_max = tl.max(s_MK, axis=1)
+    p_MK = tl.exp2(s_MK - row_max[:, None])
+    p_MK = p_MK / tl.sum(p_MK, axis=1)[:, None]
+    return head, rows, valid, q1, q2, k1, k2, cos, sin, p_MK
+
+
+@triton.jit
+def _block_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, seq_W_ptr, start_W_ptr,
+    stride_qt, stride_kt, stride_vt, stride_ot, block_size, scale, LOG2_THETA,
+    H: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    if tl.load(seq_W_ptr + tl.program_id(0)) < 0:
+        return
+    # Stage 1: rotate q, k of the block and take the softmax of its scores.
+    head, rows, valid, q1, q2, k1, k2, cos, sin, p_MK = _block_probs(
+        q_ptr, k_ptr, offsets_ptr, seq_W_ptr, start_W_ptr, stride_qt, stride_kt,
+        block_size, scale, LOG2_THETA, H, CAUSAL, ROPE, BLOCK, IEEE,
+    )  # fmt: skip
+    # Stage 2: O = P V, written in two halves of the head dim.
+    H2: tl.constexpr = H // 2
+    v1, v2 = _load_halves(v_ptr, rows, valid, stride_vt, head, H, H2)
+    p = p_MK.to(v1.dtype)
+    _store_halves(out_ptr, rows, valid, stride_ot, head, _mm(p, v1, IEEE), _mm(p, v2, IEEE), H, H2)
+
+
+@triton.jit
+def _block_attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, offsets_ptr, seq_W_ptr, start_W_ptr,
+    stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt, stride_dkt, stride_dvt,
+    block_size, scale, LOG2_THETA,
+    H: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    if tl.load(seq_W_ptr + tl.program_id(0)) < 0:
+        return
+    # Stage 1: recompute the rotated halves and P exactly as the forward did.
+    head, rows, valid, q1, q2, k1, k2, cos, sin, p_MK = _block_probs(
+        q_ptr, k_ptr, offsets_ptr, seq_W_ptr, start_W_ptr, stride_qt, stride_kt,
+        block_size, scale, LOG2_THETA, H, CAUSAL, ROPE, BLOCK, IEEE,
+    )  # fmt: skip
+    H2: tl.constexpr = H // 2
+    v1, v2 = _load_halves(v_ptr, rows, valid, stride_vt, head, H, H2)
+    do1, do2 = _load_halves(do_ptr, rows, valid, stride_dot, head, H, H2)
+    # Stage 2: dV = Pᵀ dO; dP = dO Vᵀ; dS = P ⊙ (dP − rowsum(P ⊙ dP)).
+    pT = tl.trans(p_MK).to(do1.dtype)
+    _store_halves(
+        dv_ptr, rows, valid, stride_dvt, head, _mm(pT, do1, IEEE), _mm(pT, do2, IEEE), H, H2
+    )
+    dp_MK = _mm(do1, tl.trans(v1), IEEE) + _mm(do2, tl.trans(v2), IEEE)
+    ds_MK = p_MK * (dp_MK - tl.sum(p_MK * dp_MK, axis=1)[:, None]) * scale
+    ds = ds_MK.to(q1.dtype)
+    dsT = tl.trans(ds_MK).to(q1.dtype)
+    # Stage 3: gradients of the rotated q, k, then the transpose rotation back to q, k.
+    dq1, dq2 = _mm(ds, k1, IEEE), _mm(ds, k2, IEEE)
+    dk1, dk2 = _mm(dsT, q1, IEEE), _mm(dsT, q2, IEEE)
+    if ROPE:
+        dq1, dq2 = dq1 * cos + dq2 * sin, dq2 * cos - dq1 * sin
+        dk1, dk2 = dk1 * cos + dk2 * sin, dk2 * cos - dk1 * sin
+    _store_halves(dq_ptr, rows, valid, stride_dqt, head, dq1, dq2, H, H2)
+    _store_halves(dk_ptr, rows, valid, stride_dkt, head, dk1, dk2, H, H2)
+
+
+@dataclass(frozen=True)
+class BlockLaunch:
+    """Launch options: warps of the forward and backward programs, pipeline stages."""
+
+    fwd_warps: int
+    bwd_warps: int
+    stages: int = 1
+
+
+def default_launch(block: int, head_dim: int) -> BlockLaunch:
+    big = block * head_dim >= 64 * 128
+    return BlockLaunch(fwd_warps=8 if big else 4, bwd_warps=8 if big else 4)
+
+
+def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta):
+    block = max(16, triton.next_power_of_2(block_size))
+    work = query_tiles(offsets_Bp1, total_q=q_TNH.shape[0], block=block_size)
+    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
+    flags = dict(
+        H=q_TNH.shape[2], ROPE=rope_theta is not None, BLOCK=block,
+        IEEE=q_TNH.dtype == torch.float32,
+    )  # fmt: skip
+    return block, work, log2_theta, flags
+
+
+def block_attention_forward(q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, causal, rope_theta,
+                            scale, launch: BlockLaunch | None = None):  # fmt: skip
+    q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
+    out = torch.empty_like(q_TNH)
+    block, work, log2_theta, flags = _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta)
+    launch = launch or default_launch(block, q_TNH.shape[2])
+    _block_attention_fwd_kernel[(work.num_slots, q_TNH.shape[1])](
+        q_TNH, k_TNH, v_TNH, out, offsets_Bp1, work.seq_W, work.start_W,
+        q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
+        block_size, scale, log2_theta, CAUSAL=causal,
+        num_warps=launch.fwd_warps, num_stages=launch.stages, **flags,
+    )  # fmt: skip
+    return out
+
+
+def block_attention_backward(do_TNH, q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, causal,
+                             rope_theta, scale, launch: BlockLaunch | None = None):  # fmt: skip
+    do_TNH = do_TNH.contiguous()
+    q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
+    dq, dk, dv = torch.empty_like(q_TNH), torch.empty_like(k_TNH), torch.empty_like(v_TNH)
+    block, work, log2_theta, flags = _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta)
+    launch = launch or default_launch(block, q_TNH.shape[2])
+    _block_attention_bwd_kernel[(work.num_slots, q_TNH.shape[1])](
+        q_TNH, k_TNH, v_TNH, do_TNH, dq, dk, dv, offsets_Bp1, work.seq_W, work.start_W,
+        q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
+        dq.stride(0), dk.stride(0), dv.stride(0), block_size, scale, log2_theta, CAUSAL=causal,
+        num_warps=launch.bwd_warps, num_stages=launch.stages, **flags,
+    )  # fmt: skip
+    return dq, dk, dv
