@@ -1,0 +1,222 @@
+"""The machine a job runs on: GPUs per host, hosts per zone, and the three network tiers.
+
+GEM matches each collective to the bandwidth of the links it crosses. A training cluster has three
+tiers, from fast to slow:
+
+1. ``nvlink``: the GPUs of one host, on NVLink/NVSwitch (hundreds of GB/s per GPU).
+2. ``roce``: hosts of one zone, one RoCE NIC per GPU on a non-blocking fabric (~50 GB/s per GPU).
+3. ``cross_zone``: zones joined by an oversubscribed spine; each GPU gets its NIC bandwidth divided
+   by the oversubscription factor.
+
+Ranks are numbered the way torchrun numbers them: the GPUs of a host are consecutive, and the
+hosts of a zone are consecutive. A process group is then described by how many of its members sit
+in one host, how many of its hosts sit in one zone, and how many zones it spans
+(:meth:`Topology.placement`). The cost model turns that placement into time.
+
+Bandwidths are *bus* bandwidths per GPU in bytes per second, in the sense of nccl-tests: a ring
+all-gather of ``M`` bytes over ``n`` GPUs on one tier takes ``(n - 1) / n * M / bandwidth``.
+Latencies are per ring step in seconds; an all-to-all posts all its messages at once and pays
+``message_overhead`` per peer on top of one latency. The defaults describe an H200 host
+with NVLink 4 and 400 Gb/s RoCE NICs; override them with measured values.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+TIER_NAMES = ("nvlink", "roce", "cross_zone")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One network tier: per-GPU bus bandwidth (bytes/s) and per-step latency (s)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if self.bandwidth <= 0:
+            raise ValueError(
+                f"tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}"
+            )
+        if self.latency < 0:
+            raise ValueError(f"tier {self.name!r}: latency must be >= 0 s, got {self.latency}")
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where the members of one process group sit, innermost tier first.
+
+    ``sizes[k]`` is the group's fan-out on tier ``k``: members per host, hosts per zone, zones.
+    Their product is the group size. ``tiers`` holds the matching :class:`Tier` objects.
+    """
+
+    sizes: tuple[int, int, int]
+    tiers: tuple[Tier, Tier, Tier]
+    message_overhead: float = 1e-6
+
+    @property
+    def size(self) -> int:
+        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+
+    @property
+    def outermost(self) -> Tier:
+        """The slowest tier the group crosses (``nvlink`` for a group of one)."""
+        for size, tier in zip(reversed(self.sizes), reversed(self.tiers), strict=True):
+            if size > 1:
+                return tier
+        return self.tiers[0]
+
+    def used(self) -> list[tuple[int, Tier]]:
+        """(fan-out, tier) for the tiers with fan-out > 1, innermost first."""
+        return [(s, t) for s, t in zip(self.sizes, self.tiers, strict=True) if s > 1]
+
+    def describe(self) -> str:
+        names = [f"{s}x{t.name}" for s, t in self.used()]
+        return "*".join(names) if names else "local"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A cluster of ``num_gpus`` GPUs, ``gpus_per_host`` per host, ``hosts_per_zone`` per zone.
+
+    ``num_gpus`` must be a multiple of ``gpus_per_host``; when it spans more than one zone it must
+    be a multiple of a zone. The cross-zone tier's bandwidth is ``roce.bandwidth /
+    oversubscription`` unless given explicitly.
+    """
+
+    num_gpus: int
+    gpus_per_host: int = 8
+    hosts_per_zone: int = 16
+    nvlink: Tier = field(default_factory=lambda: Tier("nvlink", 360e9, 2e-6))
+    roce: Tier = field(default_factory=lambda: Tier("roce", 45e9, 5e-6))
+    oversubscription: float = 4.0
+    cross_zone_latency: float = 10e-6
+    message_overhead: float = 1e-6  # per peer of an all-to-all, whose messages are posted at once
+    gpu_memory_bytes: float = 141e9
+    memory_headroom: float = 0.9
+    gpu_flops: float = 989e12
+    achieved_flops_fraction: float = 0.4
+    num_sms: int = 132
+
+    def __post_init__(self):
+        for name in ("num_gpus", "gpus_per_host", "hosts_per_zone", "num_sms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_gpus % self.gpus_per_host:
+            lower = max(
+                self.gpus_per_host, self.num_gpus // self.gpus_per_host * self.gpus_per_host
+            )
+            upper = -(-self.num_gpus // self.gpus_per_host) * self.gpus_per_host
+            if self.num_gpus < self.gpus_per_host:
+                raise ValueError(
+                    f"num_gpus={self.num_gpus} is smaller than one host of gpus_per_host="
+                    f"{self.gpus_per_host}: use gpus_per_host={self.num_gpus} or num_gpus={upper}"
+                )
+            raise ValueError(
+                f"num_gpus={self.num_gpus} is not a multiple of gpus_per_host={self.gpus_per_host}: "
+                f"use num_gpus={lower} or {upper}"
+            )
+        zone = self.gpus_per_zone
+        if self.num_gpus > zone and self.num_gpus % zone:
+            lower, upper = self.num_gpus // zone * zone, -(-self.num_gpus // zone) * zone
+            raise ValueError(
+                f"num_gpus={self.num_gpus} spans several zones of {zone} GPUs "
+                f"(hosts_per_zone={self.hosts_per_zone}) but is not a whole number of zones: "
+                f"use num_gpus={lower} or {upper}"
+            )
+        if self.oversubscription < 1:
+            raise ValueError(f"oversubscription must be >= 1, got {self.oversubscription}")
+        if not 0 < self.memory_headroom <= 1:
+            raise ValueError(f"memory_headroom must be in (0, 1], got {self.memory_headroom}")
+
+    # -- shape -------------------------------------------------------------------------------
+    @property
+    def gpus_per_zone(self) -> int:
+        return self.gpus_per_host * self.hosts_per_zone
+
+    @property
+    def num_hosts(self) -> int:
+        return self.num_gpus // self.gpus_per_host
+
+    @property
+    def num_zones(self) -> int:
+        return max(1, -(-self.num_gpus // self.gpus_per_zone))
+
+    @property
+    def cross_zone(self) -> Tier:
+        return Tier(
+            "cross_zone", self.roce.bandwidth / self.oversubscription, self.cross_zone_latency
+        )
+
+    @property
+    def tiers(self) -> tuple[Tier, Tier, Tier]:
+        return (self.nvlink, self.roce, self.cross_zone)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.gpu_memory_bytes * self.memory_headroom
+
+    @property
+    def achieved_flops(self) -> float:
+        return self.gpu_flops * self.achieved_flops_fraction
+
+    def placement(self, size: int, stride: int) -> GroupPlacement:
+        """Placement of the group ``{0, stride, 2*stride, ...}`` of ``size`` ranks.
+
+        A mesh dimension laid out row-major has exactly this shape (its stride is the product of
+        the sizes of the dimensions inside it); every other group of that dimension is a
+        translate of it and sits the same way when the sizes divide the tiers.
+        """
+        if size < 1 or stride < 1:
+            raise ValueError(
+                f"group size and stride must be >= 1, got size={size}, stride={stride}"
+            )
+        if (size - 1) * stride >= self.num_gpus:
+            raise ValueError(
+                f"a group of {size} ranks with stride {stride} needs {(size - 1) * stride + 1} "
+                f"ranks but the topology has num_gpus={self.num_gpus}"
+            )
+        ranks = [i * stride for i in range(size)]
+        hosts = {r // self.gpus_per_host for r in ranks}
+        zones = {r // self.gpus_per_zone for r in ranks}
+        per_host = -(-size // len(hosts))
+        hosts_per_zone = -(-len(hosts) // len(zones))
+        return GroupPlacement(
+            (per_host, hosts_per_zone, len(zones)), self.tiers, self.message_overhead
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_gpus} GPUs = {self.num_zones} zone(s) x {min(self.num_hosts, self.hosts_per_zone)}"
+            f" host(s) x {self.gpus_per_host} GPUs; nvlink {self.nvlink.bandwidth / 1e9:.0f} GB/s, "
+            f"roce {self.roce.bandwidth / 1e9:.0f} GB/s, cross-zone "
+            f"{self.cross_zone.bandwidth / 1e9:.1f} GB/s (oversubscription {self.oversubscription:g})"
+        )
+
+    @classmethod
+    def detect(cls, **overrides) -> "Topology":
+        """The topology of the running job, from torchrun's environment and the local devices.
+
+        ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun) give the GPU and per-host
+        counts; ``GEM_HOSTS_PER_ZONE`` the zone size (default: every host in one zone). Without
+        torchrun, one host with ``torch.cuda.device_count()`` GPUs (1 on a CPU machine). Keyword
+        overrides win over everything detected.
+        """
+        import torch
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
+        world = int(os.environ.get("WORLD_SIZE", 0)) or local
+        hosts = max(1, world // local)
+        values = {
+            "num_gpus": world,
+            "gpus_per_host": local,
+            "hosts_per_zone": int(os.environ.get("GEM_HOSTS_PER_ZONE", 0)) or hosts,
+        }
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            values["gpu_memory_bytes"] = float(props.total_memory)
+            values["num_sms"] = int(props.multi_processor_count)
+        values.update(overrides)
+        return cls(**values)
