@@ -17,7 +17,7 @@ from ._op import block_attention_op
 
 __all__ = ["block_attention"]
 
-MAX_BLOCK_SIZE = 256
+MAX_BLOCK_SIZE = 128
 
 
 def block_attention(
@@ -34,7 +34,7 @@ def block_attention(
 ) -> torch.Tensor:
     """Block-local softmax attention; output ``[T, N, H]``. ``scale`` defaults to ``1/sqrt(H)``.
 
-    ``block_size`` is at most 256 tokens (the whole block's scores stay on chip).
+    ``block_size`` is at most 128 tokens (the whole block's scores stay on chip).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)

@@ -1,0 +1,296 @@
+"""GDPA on J1 (self, SiLU, causal), J3 (cross, 64 keys per sample), J4 (PMA, 32 seeds).
+
+Useful TFLOP/s count only real (query, key) pairs (workloads.md): forward 4·N·D·pairs, forward +
+backward 3.5× that. Anchors, measured in the same run (inputs padded or packed outside timing):
+
+- ``padded act``: the same SiLU attention on a padded batch ``[B, N, L, D]`` under
+  ``torch.compile`` (scores materialised, masked after the activation);
+- ``padded SDPA``: softmax SDPA on the padded batch (flash backend where no mask is needed,
+  otherwise a boolean key-padding mask);
+- ``flex``: FlexAttention (softmax, compiled) on the packed sequences with a document mask;
+- ``JFA`` (J1 only): this package's softmax jagged flash attention, the goal's yardstick.
+
+``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast;
+``--sweep`` also times a few tile configurations of the project's kernels.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import numpy as np  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gem_jagged import gdpa  # noqa: E402
+from gem_jagged.ops.gdpa import triton as gdpa_kernels  # noqa: E402
+
+HEADS, HEAD_DIM = 4, 128
+CANDIDATES, SEEDS = 64, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    q_lengths: np.ndarray  # per sequence; for PMA every entry is the seed count
+    kv_lengths: np.ndarray
+    causal: bool
+    pma: bool = False
+
+
+def workloads(smoke: bool) -> list[Workload]:
+    j1 = np.array([5, 40, 0, 17]) if smoke else common.workload_lengths("J1")
+    cand, seeds = (8, 4) if smoke else (CANDIDATES, SEEDS)
+    return [
+        Workload("J1", j1, j1, True),
+        Workload("J3", j1, np.full(len(j1), cand), False),
+        Workload("J4", np.full(len(j1), seeds), j1, False, pma=True),
+    ]
+
+
+def make_inputs(w: Workload, device, dtype, heads, head_dim):
+    gen = torch.Generator(device=device).manual_seed(0)
+    tq = int(w.q_lengths[0]) if w.pma else int(w.q_lengths.sum())
+    tk, tout = int(w.kv_lengths.sum()), int(w.q_lengths.sum())
+
+    def rand(t):
+        return torch.randn(t, heads, head_dim, device=device, dtype=dtype, generator=gen)
+
+    return rand(tq), rand(tk), rand(tk), rand(tout)
+
+
+def project_fn(w, device, tiles=None):
+    q_off = None if w.pma else common.offsets_of(w.q_lengths, device)
+    kv_off = common.offsets_of(w.kv_lengths, device)
+    kv_arg = None if w.name == "J1" else kv_off  # J1 is self-attention
+    if tiles is not None:  # sweep: call the launchers directly with the given tiles
+
+        class Op(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                ctx.save_for_backward(q, k, v)
+                return gdpa_kernels.gdpa_forward(
+                    q, k, v, kv_off if q_off is None else q_off, kv_off, **opts
+                )
+
+            @staticmethod
+            def backward(ctx, do):
+                dq, dk, dv, _ = gdpa_kernels.gdpa_backward(
+                    do, *ctx.saved_tensors, kv_off if q_off is None else q_off, kv_off, is_cross=kv_arg is not None and not w.pma,
+                    **opts,
+                )  # fmt: skip
+                return dq, dk, dv
+
+        scale = 1.0 / HEAD_DIM**0.5
+        opts = dict(
+            activation="silu", causal=w.causal, scale=scale, out_scale=1.0, broadcast_q=w.pma,
+            rel_bias_NB=None, tiles=tiles,
+        )  # fmt: skip
+        return Op.apply
+
+    def fn(q, k, v):
+        return gdpa(q, k, v, q_off, kv_arg, causal=w.causal, broadcast_q=w.pma, backend="triton")
+
+    return fn
+
+
+def jfa_fn(w, device):
+    try:
+        from gem_jagged import jagged_flash_attention
+    except ImportError as exc:
+        print(f"  JFA not importable: {exc}")
+        return None
+    q_off = common.offsets_of(w.q_lengths, device)
+
+    def fn(q, k, v):
+        return jagged_flash_attention(q, k, v, q_off, causal=w.causal, backend="triton")
+
+    return fn
+
+
+def _doc_ids(lengths, device):
+    lengths = torch.as_tensor(lengths, device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+
+
+def flex_fn(w, device, smoke):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc_q, doc_k = _doc_ids(w.q_lengths, device), _doc_ids(w.kv_lengths, device)
+    causal = w.causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc_q[q_idx] == doc_k[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    block_mask = create_block_mask(
+        mask_mod, None, None, len(doc_q), len(doc_k), device=device, _compile=not smoke
+    )
+    attend = flex_attention if smoke else torch.compile(flex_attention)
+    batch = len(w.kv_lengths)
+
+    def fn(q, k, v):
+        if w.pma:  # the seeds, repeated once per sequence, as packed queries
+            q = q.repeat(batch, 1, 1)
+        out = attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask)
+        return out.squeeze(0).transpose(0, 1)
+
+    return fn
+
+
+def _pad(x, lengths, device):
+    length = int(max(lengths.max(), 1))
+    nested = torch.nested.nested_tensor_from_jagged(x, common.offsets_of(lengths, device))
+    return nested.to_padded_tensor(0.0, output_size=(len(lengths), length, *x.shape[1:]))
+
+
+def padded_inputs(w, q, k, v, do, device):
+    """``[B, N, L, D]`` leaves and the key-padding mask ``[B, 1, 1, Lk]`` (None if all real)."""
+    batch = len(w.kv_lengths)
+    if w.pma:
+        pq = q.unsqueeze(0).expand(batch, *q.shape).transpose(1, 2).contiguous()
+    else:
+        pq = _pad(q, w.q_lengths, device).transpose(1, 2)
+    pk, pv = (_pad(t, w.kv_lengths, device).transpose(1, 2) for t in (k, v))
+    pdo = _pad(do, w.q_lengths, device).transpose(1, 2)
+    lk = pk.shape[2]
+    key_mask = None
+    if not (w.kv_lengths == lk).all():
+        key_mask = (
+            torch.arange(lk, device=device)[None, :]
+            < torch.as_tensor(w.kv_lengths, device=device)[:, None]
+        )[:, None, None, :]
+    return pq, pk, pv, pdo, key_mask
+
+
+def padded_sdpa_fn(w, key_mask):
+    def fn(q, k, v):
+        if key_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal)
+        mask = key_mask
+        if w.causal:
+            lq, lk = q.shape[2], k.shape[2]
+            mask = mask & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return fn
+
+
+def padded_act_fn(w, key_mask, smoke):
+    def fn(q, k, v):
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        weights = F.silu(scores)
+        mask = key_mask
+        if w.causal:
+            lq, lk = q.shape[2], k.shape[2]
+            causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+            mask = causal if mask is None else mask & causal
+        if mask is not None:
+            weights = weights * mask
+        return torch.matmul(weights.to(v.dtype), v)
+
+    return fn if smoke else torch.compile(fn, dynamic=False)
+
+
+def timed(fn, q, k, v, do, *, backward, bench):
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    if not backward:
+
+        def step():
+            with torch.no_grad():
+                fn(*leaves)
+
+    else:
+
+        def step():
+            torch.autograd.grad(fn(*leaves), leaves, do)
+
+    return bench(step)
+
+
+def sweep(device, dtype) -> None:
+    base = gdpa_kernels.default_tiles(torch.device(device), HEAD_DIM)
+    variants = {
+        "default": base,
+        "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
+        "fwd m64 w4": dataclasses.replace(base, fwd_m=64, fwd_warps=4),
+        "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
+        "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
+        "bwd dq m64 n64 w4": dataclasses.replace(base, dq_m=64, dq_warps=4),
+        "pma chunk 128": dataclasses.replace(base, pma_chunk=128, dkdv_n=64),
+        "pma chunk 512": dataclasses.replace(base, pma_chunk=512),
+        "cross split 256": dataclasses.replace(base, cross_split_rows=256, cross_max_splits=32),
+    }
+    rows = []
+    for w in workloads(False):
+        q, k, v, do = make_inputs(w, device, dtype, HEADS, HEAD_DIM)
+        for name, tiles in variants.items():
+            fn = project_fn(w, device, tiles)
+            fwd = common.try_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+            both = timed(fn, q, k, v, do, backward=True, bench=common.try_bench)
+            rows.append([w.name, name, fwd, both])
+    common.print_table("GDPA tile sweep (ms)", ["workload", "tiles", "fwd", "fwd+bwd"], rows)
+
+
+def run(smoke: bool, do_sweep: bool) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
+    print(f"# GDPA (SiLU), {common.environment()}, {dtype}, N={heads}, D={head_dim}")
+    rows = []
+    for w in workloads(smoke):
+        q, k, v, do = make_inputs(w, device, dtype, heads, head_dim)
+        pairs = common.attention_pairs(
+            w.q_lengths, None if w.causal else w.kv_lengths, causal=w.causal
+        )
+        pq, pk, pv, pdo, key_mask = padded_inputs(w, q, k, v, do, device)
+        fns = {
+            "gdpa": (project_fn(w, device), (q, k, v, do)),
+            "padded act": (padded_act_fn(w, key_mask, smoke), (pq, pk, pv, pdo)),
+            "padded SDPA": (padded_sdpa_fn(w, key_mask), (pq, pk, pv, pdo)),
+            "flex": (flex_fn(w, device, smoke), (q, k, v, do)),
+        }
+        if w.name == "J1":
+            jfa = jfa_fn(w, device)
+            if jfa is not None:
+                fns["JFA"] = (jfa, (q, k, v, do))
+        for backward in (False, True):
+            flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
+            ms = {}
+            for name, (fn, args) in fns.items():
+                measure = common.bench_ms if name == "gdpa" else common.try_bench
+                ms[name] = timed(fn, *args, backward=backward, bench=measure)
+            label = "fwd+bwd" if backward else "fwd"
+            for name, t in ms.items():
+                rows.append(
+                    [w.name, label, name, t, common.tflops(flops, t), t / ms["gdpa"]]
+                )  # fmt: skip
+            common.record(
+                "gdpa",
+                workload=f"{w.name} {label}",
+                ms=ms["gdpa"],
+                tflops=common.tflops(flops, ms["gdpa"]),
+                **{f"x_{n.replace(' ', '_')}": ms[n] / ms["gdpa"] for n in ms if n != "gdpa"},
+            )
+    common.print_table(
+        f"GDPA useful TFLOP/s, {common.environment()}",
+        ["workload", "pass", "impl", "ms", "TFLOP/s", "time / gdpa time"],
+        rows,
+    )
+    if do_sweep and not smoke:
+        sweep(device, dtype)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tile configurations")
+    args = parser.parse_args()
+    run(args.smoke, args.sweep)

@@ -1,0 +1,220 @@
+"""BlockAttention: the fused-RoPE Triton kernels (interpreter on the CPU, bf16/fp16 on a GPU) and
+the reference against fp64, forward and every gradient, with the tolerance rule of DESIGN.md;
+RoPE against an explicit rotation; the custom op (opcheck, torch.compile, CUDA graphs); errors."""
+
+import pytest
+import torch
+from gem_jagged import block_attention
+from gem_jagged.ops.block_attention._op import block_attention_op
+from gem_jagged.ops.block_attention.reference import block_attention_reference
+from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
+from hypothesis import given
+from hypothesis import strategies as st
+
+NAMES = ["out", "dq", "dk", "dv"]
+
+
+def _case(lengths, *, heads, head_dim, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v, do = (
+        torch.randn(total, heads, head_dim, generator=gen, dtype=torch.float64).to(device)
+        for _ in range(4)
+    )
+    return q, k, v, offsets_from_lengths(lengths, device=device), do
+
+
+def _grads(fn, q, k, v, offsets, do, *, dtype, **options):
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, offsets, **options)
+    return [out, *torch.autograd.grad(out, leaves, do.to(dtype))]
+
+
+def _check_against_fp64(case, *, dtype, **options):
+    exact = _grads(block_attention_reference, *case, dtype=torch.float64, **options)
+    lowp = _grads(block_attention_reference, *case, dtype=dtype, **options)
+    kernel = _grads(block_attention, *case, dtype=dtype, backend="triton", **options)
+    for name, got, ref_lowp, ref64 in zip(NAMES, kernel, lowp, exact, strict=True):
+        factor = 2.0 if name == "out" else 5.0
+        assert_within_reference_error(got, ref_lowp, ref64, factor=factor, name=name)
+
+
+@given(
+    lengths=jagged_lengths(max_batch=4, max_len=40, block=16),
+    block_size=st.sampled_from([16, 5, 32]),
+    causal=st.booleans(),
+    rope_theta=st.sampled_from([None, 10000.0, 7.5]),
+    dtype=st.sampled_from([torch.float16, torch.float32]),
+    offsets_dtype=st.sampled_from([torch.int32, torch.int64]),
+    head_dim=st.sampled_from([32, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_triton_forward_and_gradients_match_fp64(
+    lengths, block_size, causal, rope_theta, dtype, offsets_dtype, head_dim, seed
+):
+    q, k, v, offsets, do = _case(lengths, heads=2, head_dim=head_dim, device="cpu", seed=seed)
+    _check_against_fp64(
+        (q, k, v, offsets.to(offsets_dtype), do), dtype=dtype, block_size=block_size,
+        causal=causal, rope_theta=rope_theta,
+    )  # fmt: skip
+
+
+def test_head_dim_128_fp32():
+    case = _case([1, 0, 20], heads=1, head_dim=128, device="cpu", seed=2)
+    _check_against_fp64(case, dtype=torch.float32, block_size=16, rope_theta=10000.0)
+
+
+def test_rope_is_the_llama_half_split_rotation_from_each_sequence_start():
+    """Block size 1 makes attention the identity on v; use q·k of a 2-token block instead:
+    the score between positions p and p+1 of a sequence depends only on their offset."""
+    lengths = [6, 2]
+    q, k, v, offsets, _ = _case(lengths, heads=1, head_dim=32, device="cpu", seed=4)
+    theta = 100.0
+    half = 16
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / 32)
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1], dtype=torch.float64)
+    angle = pos[:, None] * inv_freq
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]
+
+    def rot(x):
+        return torch.cat([x[..., :half] * cos - x[..., half:] * sin,
+                          x[..., half:] * cos + x[..., :half] * sin], -1)  # fmt: skip
+
+    qr, kr = rot(q), rot(k)
+    out = block_attention(q, k, v, offsets, block_size=2, causal=True, rope_theta=theta)
+    # second token of each block: softmax over (its block's first key, itself)
+    for row in (1, 3, 5, 7):
+        s = torch.stack([(qr[row] * kr[row - 1]).sum(), (qr[row] * kr[row]).sum()]) / 32**0.5
+        p = torch.softmax(s, 0)
+        torch.testing.assert_close(out[row], p[0] * v[row - 1] + p[1] * v[row])
+    torch.testing.assert_close(out[[0, 2, 4, 6]], v[[0, 2, 4, 6]])  # first token sees itself
+
+
+def test_reference_backward_matches_autograd():
+    case = _case([7, 0, 23, 1], heads=2, head_dim=32, device="cpu", seed=5)
+    for causal in (True, False):
+        options = dict(block_size=8, causal=causal, rope_theta=50.0)
+        expected = _grads(block_attention_reference, *case, dtype=torch.float64, **options)
+        got = _grads(block_attention, *case, dtype=torch.float64, backend="reference", **options)
+        for name, a, b in zip(NAMES, got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_opcheck():
+    q, k, v, offsets, _ = _case([3, 0, 9], heads=2, head_dim=32, device="cpu", seed=7)
+    args = (
+        q.float().requires_grad_(), k.float().requires_grad_(), v.float().requires_grad_(),
+        offsets, 4, True, 10000.0, 0.2, "reference",
+    )  # fmt: skip
+    torch.library.opcheck(block_attention_op, args)
+
+
+def _compiled_matches_eager(device, backend, dtype, compile_backend):
+    q, k, v, offsets, do = _case([5, 0, 17], heads=2, head_dim=32, device=device, seed=9)
+
+    def step(q, k, v):
+        out = block_attention(q, k, v, offsets, block_size=4, rope_theta=500.0, backend=backend)
+        return (out * do.to(dtype)).sum()
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    eager = torch.autograd.grad(step(*leaves), leaves)
+    compiled = torch.compile(step, fullgraph=True, backend=compile_backend)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_torch_compile_fullgraph_cpu_reference():
+    _compiled_matches_eager("cpu", "reference", torch.float32, "aot_eager")
+
+
+BAD_INPUTS = {
+    "offsets not 1-D": (dict(offsets=lambda o: o[None]), "must be 1-D"),
+    "offsets not from 0": (dict(offsets=lambda o: o + 1), r"offsets\[0\] must be 0"),
+    "decreasing offsets": (dict(offsets=lambda o: torch.tensor([0, 6, 4, 8])), "non-decreasing"),
+    "last offset != tokens": (
+        dict(offsets=lambda o: torch.tensor([0, 2, 4, 7])),
+        "must equal the number of tokens 8",
+    ),
+    "dtype mismatch": (dict(v=lambda t: t.half()), "v has dtype torch.float16"),
+    "device mismatch": (dict(k=lambda t: t.to("meta")), "k is on meta"),
+    "shape mismatch": (dict(k=lambda t: t[:, :1]), "same shape"),
+    "head dim": (
+        dict(q=lambda t: t[..., :48], k=lambda t: t[..., :48], v=lambda t: t[..., :48]),
+        r"head dim 48; supported head dims are \(32, 64, 128\)",
+    ),
+    "block size 0": (dict(block_size=0), r"block_size must be in \[1, 128\]"),
+    "block size float": (dict(block_size=64.0), "block_size must be an int"),
+    "rope_theta": (dict(rope_theta=-1.0), "rope_theta must be a finite number > 1"),
+    "backend": (dict(backend="gpu"), "backend must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise_clear_errors(case):
+    changes, message = BAD_INPUTS[case]
+    args = dict(
+        q=torch.randn(8, 2, 64), k=torch.randn(8, 2, 64), v=torch.randn(8, 2, 64),
+        offsets=torch.tensor([0, 3, 3, 8]),
+    )  # fmt: skip
+    options = {}
+    for key, change in changes.items():
+        if key in args:
+            args[key] = change(args[key])
+        else:
+            options[key] = change
+    with pytest.raises((ValueError, TypeError), match=message):
+        block_attention(args["q"], args["k"], args["v"], args["offsets"], **options)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bf16/fp16 kernels against fp64, compile with the Triton backend, CUDA-graph capture.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_gpu_matches_fp64(dtype, head_dim):
+    lengths = [0, 1, 63, 64, 65, 300, 2000, 5]
+    for i, (block_size, causal, theta) in enumerate(
+        [(64, True, 10000.0), (128, False, 500000.0), (50, True, None), (128, True, 10000.0)]
+    ):
+        case = _case(lengths, heads=2, head_dim=head_dim, device="cuda", seed=i)
+        _check_against_fp64(
+            case, dtype=dtype, block_size=block_size, causal=causal, rope_theta=theta
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph_triton():
+    _compiled_matches_eager("cuda", "triton", torch.bfloat16, "inductor")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    q, k, v, offsets, do = _case([100, 0, 257, 3], heads=2, head_dim=64, device="cuda", seed=11)
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    do = do.to(torch.bfloat16)
+
+    def step():
+        out = block_attention(*leaves, offsets, rope_theta=10000.0)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for leaf in leaves:
+        leaf.data.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    for a, b in zip(captured, fresh, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(fresh[0], expected[0])

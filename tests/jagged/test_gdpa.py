@@ -1,0 +1,289 @@
+"""GDPA: the Triton kernels (interpreter on the CPU, bf16/fp16 on a GPU) and the reference
+against fp64, forward and every gradient, with the tolerance rule of DESIGN.md; the custom op
+(opcheck, torch.compile, CUDA graphs) and every input error."""
+
+import math
+
+import pytest
+import torch
+from gem_jagged import gdpa
+from gem_jagged.ops.gdpa import ACTIVATIONS
+from gem_jagged.ops.gdpa._op import gdpa_op
+from gem_jagged.ops.gdpa.reference import gdpa_reference
+from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
+from hypothesis import given
+from hypothesis import strategies as st
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _case(lengths, *, mode, heads, head_dim, dtype, device, seed, bias, kv_len=None, seeds=3):
+    """Inputs of one case: (q, k, v, q_offsets, kv_offsets, rel_bias, grad_out)."""
+    gen = torch.Generator().manual_seed(seed)
+    if mode == "cross":
+        kv_lengths = [kv_len if kv_len is not None else (n * 7 + 3) % 23 for n in lengths]
+    else:
+        kv_lengths = list(lengths)
+    tq = seeds if mode == "pma" else sum(lengths)
+    tk = sum(kv_lengths)
+    out_rows = seeds * len(lengths) if mode == "pma" else tq
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
+
+    q, k, v = rand(tq, heads, head_dim), rand(tk, heads, head_dim), rand(tk, heads, head_dim)
+    rel_bias = rand(heads, 9) * 0.5 if bias else None
+    q_off = None if mode == "pma" else offsets_from_lengths(lengths, device=device)
+    kv_off = None if mode == "self" else offsets_from_lengths(kv_lengths, device=device)
+    grad_out = rand(out_rows, heads, head_dim)
+    return q, k, v, q_off, kv_off, rel_bias, grad_out
+
+
+def _run(q, k, v, q_off, kv_off, rel_bias, grad_out, *, dtype, backend, **options):
+    """Output and gradients of ``gdpa`` with inputs cast to ``dtype``."""
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    bias = None if rel_bias is None else rel_bias.to(dtype).requires_grad_()
+    out = gdpa(*leaves, q_off, kv_off, rel_bias=bias, backend=backend, **options)
+    wrt = leaves + ([bias] if bias is not None else [])
+    grads = torch.autograd.grad(out, wrt, grad_out.to(dtype))
+    return [out, *grads]
+
+
+def _reference_autograd(q, k, v, q_off, kv_off, rel_bias, grad_out, *, dtype, **options):
+    """The reference's forward in ``dtype`` differentiated by autograd (not by the op)."""
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    bias = None if rel_bias is None else rel_bias.to(dtype).requires_grad_()
+    kv = kv_off if kv_off is not None else q_off
+    out = gdpa_reference(*leaves, q_off, kv, rel_bias=bias, **options)
+    wrt = leaves + ([bias] if bias is not None else [])
+    grads = torch.autograd.grad(out, wrt, grad_out.to(dtype))
+    return [out, *grads]
+
+
+NAMES = ["out", "dq", "dk", "dv", "d_rel_bias"]
+
+
+def _check_against_fp64(case, *, dtype, options):
+    exact = _reference_autograd(*case, dtype=torch.float64, **options)
+    lowp = _reference_autograd(*case, dtype=dtype, **options)
+    kernel = _run(*case, dtype=dtype, backend="triton", **options)
+    for name, got, ref_lowp, ref64 in zip(NAMES, kernel, lowp, exact, strict=False):
+        factor = 2.0 if name == "out" else 5.0
+        assert_within_reference_error(got, ref_lowp, ref64, factor=factor, name=name)
+
+
+@given(
+    lengths=jagged_lengths(max_batch=4, max_len=40, block=16),
+    mode=st.sampled_from(["self", "cross", "pma"]),
+    activation=st.sampled_from(ACTIVATIONS),
+    causal=st.booleans(),
+    bias=st.booleans(),
+    dtype=st.sampled_from([torch.float16, torch.float32]),
+    offsets_dtype=st.sampled_from([torch.int32, torch.int64]),
+    head_dim=st.sampled_from([32, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_triton_forward_and_gradients_match_fp64(
+    lengths, mode, activation, causal, bias, dtype, offsets_dtype, head_dim, seed
+):
+    q, k, v, q_off, kv_off, rel_bias, grad_out = _case(
+        lengths, mode=mode, heads=2, head_dim=head_dim, dtype=dtype, device="cpu", seed=seed,
+        bias=bias,
+    )  # fmt: skip
+    q_off = None if q_off is None else q_off.to(offsets_dtype)
+    kv_off = None if kv_off is None else kv_off.to(offsets_dtype)
+    options = dict(activation=activation, causal=causal, broadcast_q=mode == "pma", out_scale=0.5)
+    _check_against_fp64((q, k, v, q_off, kv_off, rel_bias, grad_out), dtype=dtype, options=options)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_reference_backward_matches_autograd(activation):
+    """The written-out backward of the reference op equals autograd of its forward (fp64)."""
+    for mode in ("self", "cross", "pma"):
+        case = _case(
+            [3, 0, 9, 1], mode=mode, heads=2, head_dim=32, dtype=torch.float64, device="cpu",
+            seed=1, bias=True,
+        )  # fmt: skip
+        options = dict(activation=activation, causal=True, broadcast_q=mode == "pma", scale=0.3)
+        expected = _reference_autograd(*case, dtype=torch.float64, **options)
+        got = _run(*case, dtype=torch.float64, backend="reference", **options)
+        for name, a, b in zip(NAMES, got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_pma_one_seed_and_head_dim_128():
+    case = _case(
+        [0, 1, 33, 16], mode="pma", heads=1, head_dim=128, dtype=torch.float32, device="cpu",
+        seed=3, bias=False, seeds=1,
+    )  # fmt: skip
+    _check_against_fp64(case, dtype=torch.float32, options=dict(broadcast_q=True))
+    out = gdpa(case[0].float(), case[1].float(), case[2].float(), None, case[4], broadcast_q=True)
+    assert out.shape == (4, 1, 128)
+    assert out[0].abs().max() == 0  # an empty sequence pools to zeros
+
+
+def test_reference_gradcheck_fp64():
+    q, k, v, q_off, kv_off, rel_bias, _ = _case(
+        [2, 0, 3], mode="cross", heads=1, head_dim=32, dtype=torch.float64, device="cpu",
+        seed=5, bias=True,
+    )  # fmt: skip
+    inputs = [t.requires_grad_() for t in (q, k, v, rel_bias)]
+
+    def fn(q, k, v, rb):
+        return gdpa(q, k, v, q_off, kv_off, rel_bias=rb, activation="gelu", causal=True)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_opcheck():
+    q, k, v, q_off, kv_off, rel_bias, _ = _case(
+        [3, 0, 5], mode="cross", heads=2, head_dim=32, dtype=torch.float32, device="cpu",
+        seed=7, bias=True,
+    )  # fmt: skip
+    args = (
+        q.float().requires_grad_(), k.float().requires_grad_(), v.float().requires_grad_(),
+        q_off, kv_off, rel_bias.float().requires_grad_(), "silu", True, 0.2, 1.0, False, True,
+        "reference",
+    )  # fmt: skip
+    torch.library.opcheck(gdpa_op, args)
+
+
+def _compiled_matches_eager(device, backend, dtype, compile_backend):
+    case = _case(
+        [5, 0, 17], mode="self", heads=2, head_dim=32, dtype=dtype, device=device, seed=9,
+        bias=True,
+    )  # fmt: skip
+    q, k, v, q_off, _, rel_bias, grad_out = case
+
+    def step(q, k, v, rb):
+        out = gdpa(q, k, v, q_off, causal=True, rel_bias=rb, backend=backend)
+        return (out * grad_out.to(dtype)).sum()
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, rel_bias)]
+    eager = torch.autograd.grad(step(*leaves), leaves)
+    compiled = torch.compile(step, fullgraph=True, backend=compile_backend)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_torch_compile_fullgraph_cpu_reference():
+    _compiled_matches_eager("cpu", "reference", torch.float32, "aot_eager")
+
+
+BAD_INPUTS = {
+    "offsets not 1-D": (dict(q_offsets=lambda o: o[None]), "must be 1-D"),
+    "offsets not from 0": (dict(q_offsets=lambda o: o + 1), r"q_offsets\[0\] must be 0"),
+    "decreasing offsets": (
+        dict(q_offsets=lambda o: torch.tensor([0, 6, 4, 8])),
+        "non-decreasing",
+    ),
+    "last offset != tokens": (
+        dict(q_offsets=lambda o: torch.tensor([0, 2, 4, 7])),
+        "must equal the number of tokens 8",
+    ),
+    "float offsets": (dict(q_offsets=lambda o: o.float()), "int32 or int64"),
+    "dtype mismatch": (dict(k=lambda t: t.double()), "k has dtype torch.float64"),
+    "device mismatch": (dict(v=lambda t: t.to("meta")), "v is on meta"),
+    "head count": (dict(k=lambda t: t[:, :1], v=lambda t: t[:, :1]), "same number of heads"),
+    "head dim": (
+        dict(q=lambda t: t[..., :16], k=lambda t: t[..., :16], v=lambda t: t[..., :16]),
+        r"head dim 16; supported head dims are \(32, 64, 128\)",
+    ),
+    "activation": (dict(activation="tanh"), "activation must be one of"),
+    "pma without kv_offsets": (
+        dict(broadcast_q=True),
+        "broadcast_q=True \\(PMA\\) needs kv_offsets",
+    ),
+    "q_offsets None": (dict(q_offsets=lambda o: None), "q_offsets is required"),
+    "self-attention token mismatch": (
+        dict(k=lambda t: t[:6], v=lambda t: t[:6]),
+        "self-attention \\(kv_offsets=None\\) needs k and v with the 8 query tokens",
+    ),
+    "cross batch mismatch": (
+        dict(kv_offsets=lambda o: torch.tensor([0, 8])),
+        "same number of sequences",
+    ),
+    "rel_bias shape": (dict(rel_bias=torch.zeros(2, 4)), "rel_bias must have shape"),
+    "backend": (dict(backend="cuda"), "backend must be one of"),
+    "2-D values": (dict(q=lambda t: t[:, 0]), "q must have 3 dimensions"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise_clear_errors(case):
+    changes, message = BAD_INPUTS[case]
+    q, k, v = (torch.randn(8, 2, 32) for _ in range(3))
+    args = dict(q=q, k=k, v=v, q_offsets=torch.tensor([0, 3, 3, 8]), kv_offsets=None)
+    options = {}
+    for key, change in changes.items():
+        if key in args:
+            base = args[key] if args[key] is not None else args["q_offsets"]
+            args[key] = change(base) if callable(change) else change
+        else:
+            options[key] = change
+    with pytest.raises((ValueError, TypeError), match=message):
+        gdpa(args["q"], args["k"], args["v"], args["q_offsets"], args["kv_offsets"], **options)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bf16/fp16 kernels against fp64, compile with the Triton backend, CUDA-graph capture.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("mode", ["self", "cross", "pma"])
+def test_gpu_matches_fp64(dtype, head_dim, mode):
+    lengths = [0, 1, 127, 128, 129, 300, 1000, 5]
+    for i, activation in enumerate(ACTIVATIONS):
+        causal = i % 2 == 0
+        bias = i == 1
+        case = _case(
+            lengths, mode=mode, heads=2, head_dim=head_dim, dtype=dtype, device="cuda", seed=i,
+            bias=bias, kv_len=64 if mode == "cross" else None, seeds=32,
+        )  # fmt: skip
+        options = dict(activation=activation, causal=causal, broadcast_q=mode == "pma")
+        _check_against_fp64(case, dtype=dtype, options=options)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph_triton():
+    _compiled_matches_eager("cuda", "triton", torch.bfloat16, "inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["self", "pma"])
+def test_gpu_cuda_graph_capture(mode):
+    case = _case(
+        [100, 0, 257, 3], mode=mode, heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda",
+        seed=11, bias=False,
+    )  # fmt: skip
+    q, k, v, q_off, kv_off, _, grad_out = case
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    do = grad_out.to(torch.bfloat16)
+    options = dict(causal=True, broadcast_q=mode == "pma")
+
+    def step():
+        out = gdpa(*leaves, q_off, kv_off, **options)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up (compiles kernels) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for leaf in leaves:  # new values in place: the replay must see them
+        leaf.data.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    for a, b in zip(captured, fresh, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(fresh[0], expected[0])
+    assert math.isfinite(float(fresh[0].float().abs().sum()))
