@@ -1,0 +1,289 @@
+"""Jagged flash attention on J1, J2, J3 against FlexAttention, padded SDPA and nested-jagged SDPA.
+
+Useful TFLOP/s count only real (query, key) pairs (workloads.md): forward 4·N·D·pairs, forward +
+backward 3.5× that. J1 and J2 are causal self-attention over user histories; J3 is jagged queries
+(J1's lengths) over 64 candidate keys per sample, not causal. Anchors, measured in the same run:
+
+- FlexAttention (compiled) on the packed sequence with a document mask (+ causal), the block mask
+  built once outside the timing;
+- SDPA (flash backend) on a padded batch ``[B, N, Lmax, D]``, timing the attention only (padding
+  and unpadding not counted, which flatters the anchor);
+- SDPA on nested jagged tensors (``torch.nested`` layout ``jagged``) where it runs.
+
+``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast;
+``--sweep`` also times a few kernel configurations of the project's kernel on J1 and J2.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import numpy as np  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gem_jagged import jagged_flash_attention  # noqa: E402
+
+HEADS, HEAD_DIM = 4, 128
+CANDIDATES = 64  # J3: keys per sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    q_lengths: np.ndarray
+    kv_lengths: np.ndarray
+    causal: bool
+
+
+def workloads(smoke: bool) -> list[Workload]:
+    if smoke:
+        lengths = np.array([5, 40, 0, 17])
+        return [
+            Workload("J1", lengths, lengths, True),
+            Workload("J3", lengths, np.full(4, 8), False),
+        ]
+    j1, j2 = common.workload_lengths("J1"), common.workload_lengths("J2")
+    return [
+        Workload("J1", j1, j1, True),
+        Workload("J2", j2, j2, True),
+        Workload("J3", j1, np.full(len(j1), CANDIDATES), False),
+    ]
+
+
+def make_inputs(w: Workload, device, dtype, heads, head_dim):
+    gen = torch.Generator(device=device).manual_seed(0)
+    tq, tk = int(w.q_lengths.sum()), int(w.kv_lengths.sum())
+
+    def rand(t):
+        return torch.randn(t, heads, head_dim, device=device, dtype=dtype, generator=gen)
+
+    return rand(tq), rand(tk), rand(tk), rand(tq)
+
+
+def project_fn(w, q, k, v, device):
+    q_off = common.offsets_of(w.q_lengths, device)
+    kv_off = common.offsets_of(w.kv_lengths, device)
+    hints = dict(max_q_len=int(w.q_lengths.max()), max_kv_len=int(w.kv_lengths.max()))
+    backend = "triton"
+
+    def fn(q, k, v):
+        return jagged_flash_attention(
+            q, k, v, q_off, kv_off, causal=w.causal, backend=backend, **hints
+        )
+
+    return fn
+
+
+def flex_fn(w, q, k, v, device, smoke):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc_q = torch.repeat_interleave(
+        torch.arange(len(w.q_lengths), device=device), torch.as_tensor(w.q_lengths, device=device)
+    )
+    doc_k = torch.repeat_interleave(
+        torch.arange(len(w.kv_lengths), device=device), torch.as_tensor(w.kv_lengths, device=device)
+    )
+    causal = w.causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc_q[q_idx] == doc_k[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    block_mask = create_block_mask(
+        mask_mod, None, None, len(doc_q), len(doc_k), device=device, _compile=not smoke
+    )
+    attend = flex_attention if smoke else torch.compile(flex_attention)
+
+    def fn(q, k, v):
+        out = attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask)
+        return out.squeeze(0).transpose(0, 1)
+
+    return fn
+
+
+def padded_fn(w, device):
+    """Attention on padded ``[B, N, L, D]`` tensors (built outside the timing)."""
+    lq, lk = int(w.q_lengths.max()), int(w.kv_lengths.max())
+
+    def pad(x, lengths, length):
+        return torch.nested.nested_tensor_from_jagged(
+            x, common.offsets_of(lengths, device)
+        ).to_padded_tensor(0.0, output_size=(len(lengths), length, *x.shape[1:]))
+
+    def prepare(q, k, v, do):
+        return (
+            pad(q, w.q_lengths, lq).transpose(1, 2).detach().requires_grad_(),
+            pad(k, w.kv_lengths, lk).transpose(1, 2).detach().requires_grad_(),
+            pad(v, w.kv_lengths, lk).transpose(1, 2).detach().requires_grad_(),
+            pad(do, w.q_lengths, lq).transpose(1, 2),
+        )
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal)
+
+    return prepare, fn
+
+
+def nested_fn(w, device):
+    q_off = common.offsets_of(w.q_lengths, device)
+    kv_off = common.offsets_of(w.kv_lengths, device)
+
+    def fn(q, k, v):
+        qn = torch.nested.nested_tensor_from_jagged(q, q_off).transpose(1, 2)
+        kn = torch.nested.nested_tensor_from_jagged(k, kv_off).transpose(1, 2)
+        vn = torch.nested.nested_tensor_from_jagged(v, kv_off).transpose(1, 2)
+        return (
+            F.scaled_dot_product_attention(qn, kn, vn, is_causal=w.causal).transpose(1, 2).values()
+        )
+
+    return fn
+
+
+def timed(fn, q, k, v, do, *, backward, bench):
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    if not backward:
+
+        def step():
+            with torch.no_grad():
+                fn(*leaves)
+
+    else:
+
+        def step():
+            torch.autograd.grad(fn(*leaves), leaves, do)
+
+    return bench(step)
+
+
+def _once(fn) -> float:
+    """Smoke mode: one call (the Triton interpreter is slow), timed on the host."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _anchor_bench(smoke: bool):
+    if not smoke:
+        return common.try_bench
+
+    def once(fn):
+        try:
+            return _once(fn)
+        except Exception as exc:
+            print(f"  anchor failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            return float("nan")
+
+    return once
+
+
+def run(smoke: bool, sweep: bool) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
+    bench = common.bench_ms if not smoke else _once
+    print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}")
+    rows = []
+    for w in workloads(smoke):
+        q, k, v, do = make_inputs(w, device, dtype, heads, head_dim)
+        pairs = common.attention_pairs(
+            w.q_lengths, w.kv_lengths if not w.causal else None, causal=w.causal
+        )
+        padded_prepare, padded = padded_fn(w, device)
+        pq, pk, pv, pdo = padded_prepare(q, k, v, do)
+        fns = {
+            "project": (project_fn(w, q, k, v, device), (q, k, v, do)),
+            "flex": (flex_fn(w, q, k, v, device, smoke), (q, k, v, do)),
+            "padded": (padded, (pq, pk, pv, pdo)),
+            "nested": (nested_fn(w, device), (q, k, v, do)),
+        }
+        for backward in (False, True):
+            flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
+            ms = {}
+            for name, (fn, args) in fns.items():
+                measure = bench if name == "project" else _anchor_bench(smoke)
+                ms[name] = timed(fn, *args, backward=backward, bench=measure)
+            tf = {n: common.tflops(flops, t) for n, t in ms.items()}
+            label = "fwd+bwd" if backward else "fwd"
+            rows.append(
+                [w.name, label, ms["project"], tf["project"], tf["flex"], tf["padded"], tf["nested"],
+                 ms["flex"] / ms["project"], ms["padded"] / ms["project"],
+                 ms["nested"] / ms["project"]]
+            )  # fmt: skip
+            common.record(
+                "jagged_flash_attention",
+                workload=f"{w.name} {label}",
+                tflops=tf["project"],
+                x_flex=ms["flex"] / ms["project"],
+                x_padded=ms["padded"] / ms["project"],
+            )
+        del fns, q, k, v, do, pq, pk, pv, pdo
+    common.print_table(
+        f"jagged flash attention, useful TFLOP/s ({common.environment()})",
+        ["workload", "pass", "ms", "project", "flex", "padded SDPA", "nested SDPA",
+         "x flex", "x padded", "x nested"],
+        rows,
+    )  # fmt: skip
+    if sweep and device == "cuda":
+        run_sweep(dtype)
+
+
+def run_sweep(dtype) -> None:
+    """Time a few kernel configurations of the project's kernel (J1, J2 forward and fwd+bwd)."""
+    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+
+    base = jfa_triton._GPU_CONFIGS[HEAD_DIM]
+    variants = {
+        "default": base,
+        "fwd n128": dataclasses.replace(base, fwd_block_n=128),
+        "fwd n128 s2": dataclasses.replace(base, fwd_block_n=128, fwd_stages=2),
+        "fwd s2": dataclasses.replace(base, fwd_stages=2),
+        "dkdv m32 w4": dataclasses.replace(base, dkdv_block_m=32, dkdv_warps=4, dkdv_stages=3),
+        "dkdv m64 s3": dataclasses.replace(base, dkdv_stages=3),
+        "dkdv n64 m64 w4": dataclasses.replace(base, dkdv_block_n=64, dkdv_warps=4),
+        "dq n32 s3": dataclasses.replace(base, dq_block_n=32, dq_stages=3),
+        "dq m64 n64 w4": dataclasses.replace(base, dq_block_m=64, dq_warps=4, dq_stages=3),
+        "split 1024 x16": dataclasses.replace(base, split_rows=1024, max_splits=16),
+        "no split": dataclasses.replace(base, max_splits=1),
+    }
+    rows = []
+    for w in workloads(False)[:2]:
+        q, k, v, do = make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
+        pairs = common.attention_pairs(w.q_lengths, causal=w.causal)
+        fn = project_fn(w, q, k, v, "cuda")
+        for name, cfg in variants.items():
+            jfa_triton._GPU_CONFIGS[HEAD_DIM] = cfg
+            try:
+                t_f = timed(fn, q, k, v, do, backward=False, bench=common.bench_ms)
+                t_b = timed(fn, q, k, v, do, backward=True, bench=common.bench_ms)
+            except Exception as exc:  # a config that does not compile must not stop the sweep
+                print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                t_f = t_b = float("nan")
+            rows.append(
+                [w.name, name, t_f,
+                 common.tflops(common.attention_flops(pairs, heads=HEADS, head_dim=HEAD_DIM, backward=False), t_f),
+                 t_b - t_f, t_b,
+                 common.tflops(common.attention_flops(pairs, heads=HEADS, head_dim=HEAD_DIM, backward=True), t_b)]
+            )  # fmt: skip
+        jfa_triton._GPU_CONFIGS[HEAD_DIM] = base
+    common.print_table(
+        "kernel config sweep (project only)",
+        ["workload", "config", "fwd ms", "fwd TFLOP/s", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, seconds")
+    parser.add_argument("--sweep", action="store_true", help="also time kernel configurations")
+    args = parser.parse_args()
+    run(args.smoke, args.sweep)

@@ -1,0 +1,322 @@
+"""jagged_flash_attention: Triton kernels (interpreter on the CPU) and reference against fp64.
+
+The tolerance rule of the project: the kernel's error against fp64 is at most 2x (forward) or
+5x (gradients) the error of the reference computed in the kernel's dtype.
+"""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gem_jagged import jagged_flash_attention
+from gem_jagged.ops.jagged_flash_attention import _op
+from gem_jagged.ops.jagged_flash_attention.reference import jagged_flash_attention_reference
+from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
+from hypothesis import given
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _case(lq, lk, *, heads, head_dim, radius, seed, dtype, device="cpu", offsets_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lq), sum(lk)
+    tensors = {
+        "q": torch.randn(tq, heads, head_dim, generator=gen, dtype=torch.float64),
+        "k": torch.randn(tk, heads, head_dim, generator=gen, dtype=torch.float64),
+        "v": torch.randn(tk, heads, head_dim, generator=gen, dtype=torch.float64),
+        "do": torch.randn(tq, heads, head_dim, generator=gen, dtype=torch.float64),
+    }
+    if radius is not None:
+        tensors["rel_bias"] = torch.randn(heads, 2 * radius + 1, generator=gen, dtype=torch.float64)
+    tensors = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
+    q_off = offsets_from_lengths(lq, dtype=offsets_dtype, device=device)
+    kv_off = offsets_from_lengths(lk, dtype=offsets_dtype, device=device)
+    return tensors, q_off, kv_off
+
+
+def _run(tensors, q_off, kv_off, *, causal, backend, dtype, **kwargs):
+    """Output and gradients (q, k, v[, rel_bias]) of the public op in ``dtype``."""
+    leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in tensors.items() if n != "do"}
+    out = jagged_flash_attention(
+        leaves["q"], leaves["k"], leaves["v"], q_off, kv_off,
+        causal=causal, rel_bias=leaves.get("rel_bias"), backend=backend, **kwargs,
+    )  # fmt: skip
+    grads = torch.autograd.grad(out, list(leaves.values()), tensors["do"].to(dtype))
+    return [out, *grads], list(leaves)
+
+
+def _fp64_truth(tensors, q_off, kv_off, *, causal):
+    """Autograd straight through the reference function in fp64 (not through the custom op)."""
+    leaves = {n: t.detach().double().requires_grad_() for n, t in tensors.items() if n != "do"}
+    out, _ = jagged_flash_attention_reference(
+        leaves["q"], leaves["k"], leaves["v"], q_off, kv_off, causal=causal,
+        scale=1.0 / math.sqrt(tensors["q"].shape[-1]), rel_bias=leaves.get("rel_bias"),
+    )  # fmt: skip
+    if out.numel() == 0 or not out.requires_grad:
+        return [out, *(torch.zeros_like(t) for t in leaves.values())]
+    grads = torch.autograd.grad(
+        out, list(leaves.values()), tensors["do"].double(), allow_unused=True
+    )
+    zeros = (torch.zeros_like(t) for t in leaves.values())
+    return [out, *(z if g is None else g for g, z in zip(grads, zeros, strict=True))]
+
+
+def _check_against_fp64(lq, lk, *, causal, radius, seed, dtype, head_dim=32, heads=2):
+    tensors, q_off, kv_off = _case(
+        lq, lk, heads=heads, head_dim=head_dim, radius=radius, seed=seed, dtype=torch.float64
+    )
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
+    ref_lowp, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
+    kernel, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert kernel[i].dtype == dtype, name
+        assert_within_reference_error(
+            kernel[i], ref_lowp[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
+        )
+
+
+@given(
+    lq=jagged_lengths(max_batch=4, max_len=40, block=16),
+    kv_delta=st.lists(st.integers(-20, 20), min_size=4, max_size=4),
+    cross=st.booleans(),
+    causal=st.booleans(),
+    radius=st.sampled_from([None, 0, 3, 40]),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float16, torch.float32]),
+)
+def test_triton_matches_fp64_within_reference_error(
+    lq, kv_delta, cross, causal, radius, seed, dtype
+):
+    lk = [max(0, n + d) for n, d in zip(lq, kv_delta, strict=False)] if cross else lq
+    _check_against_fp64(lq, lk, causal=causal, radius=radius, seed=seed, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "lq", "lk", "causal", "radius"),
+    [
+        (64, [17, 40], [17, 40], True, 2),
+        (128, [33, 1, 0], [20, 5, 7], False, None),
+        (128, [30, 9], [12, 9], True, None),
+    ],
+)
+def test_head_dims_64_and_128(head_dim, lq, lk, causal, radius):
+    _check_against_fp64(
+        lq, lk, causal=causal, radius=radius, seed=7, dtype=torch.float16, head_dim=head_dim
+    )
+
+
+def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():
+    """One long sequence (its key tiles are split across programs) with int32 offsets; a
+    max_q_len hint shorter than the real length changes the launch, never the result."""
+    lq = [90, 3]
+    tensors, q_off, kv_off = _case(
+        lq, lq, heads=1, head_dim=32, radius=None, seed=3, dtype=torch.float64,
+        offsets_dtype=torch.int32,
+    )  # fmt: skip
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
+    ref, _ = _run(tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.float32)
+    for hint in (None, 1):
+        got, _ = _run(
+            tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.float32,
+            max_q_len=hint, max_kv_len=hint,
+        )  # fmt: skip
+        for i in range(4):
+            assert_within_reference_error(got[i], ref[i], truth[i], factor=5.0, name=f"{i}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_rows_without_visible_keys_output_zeros(backend):
+    # Sequence 0: causal with 6 queries over 2 keys (the first 4 rows see nothing);
+    # sequence 1: no keys at all; sequence 2: empty.
+    tensors, q_off, kv_off = _case(
+        [6, 3, 0], [2, 0, 4], heads=2, head_dim=32, radius=1, seed=0, dtype=torch.float32
+    )
+    got, _ = _run(tensors, q_off, kv_off, causal=True, backend=backend, dtype=torch.float32)
+    out, dq = got[0], got[1]
+    assert torch.all(out[:4] == 0) and torch.all(out[6:9] == 0)
+    assert torch.all(out[4:6] != 0)
+    assert torch.all(dq[:4] == 0) and torch.all(
+        torch.isfinite(torch.cat([g.flatten() for g in got]))
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_empty_batch(backend):
+    tensors, q_off, kv_off = _case(
+        [], [], heads=2, head_dim=32, radius=None, seed=0, dtype=torch.float32
+    )
+    got, _ = _run(tensors, q_off, kv_off, causal=False, backend=backend, dtype=torch.float32)
+    assert got[0].shape == (0, 2, 32) and all(g.numel() == 0 for g in got)
+
+
+def test_reference_backward_matches_autograd_and_gradcheck():
+    """The reference backend's hand-written backward against autograd (fp64 gradcheck)."""
+    tensors, q_off, kv_off = _case(
+        [3, 0, 4], [4, 2, 4], heads=1, head_dim=32, radius=2, seed=1, dtype=torch.float64
+    )
+    leaves = [tensors[n].clone().requires_grad_() for n in ("q", "k", "v", "rel_bias")]
+
+    def fn(q, k, v, bias):
+        return jagged_flash_attention(
+            q, k, v, q_off, kv_off, causal=True, rel_bias=bias, backend="reference"
+        )
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-8, fast_mode=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_opcheck(backend):
+    tensors, q_off, kv_off = _case(
+        [5, 0, 9], [5, 0, 9], heads=2, head_dim=32, radius=1, seed=2, dtype=torch.float32
+    )
+    q, k, v, bias = (tensors[n].requires_grad_() for n in ("q", "k", "v", "rel_bias"))
+    args = (q, k, v, q_off, kv_off, bias, True, 0.2, None, backend)
+    torch.library.opcheck(_op.attention_forward, args)
+
+
+def test_compile_fullgraph_matches_eager():
+    tensors, q_off, kv_off = _case(
+        [5, 11], [5, 11], heads=2, head_dim=32, radius=2, seed=4, dtype=torch.float32
+    )
+
+    def fn(q, k, v, bias):
+        return jagged_flash_attention(
+            q, k, v, q_off, causal=True, rel_bias=bias, backend="reference"
+        )
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    leaves = [tensors[n].clone().requires_grad_() for n in ("q", "k", "v", "rel_bias")]
+    out = compiled(*leaves)
+    grads = torch.autograd.grad(out, leaves, tensors["do"])
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref_out = fn(*ref_leaves)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, tensors["do"])
+    torch.testing.assert_close(out, ref_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def _bad_inputs():
+    t, q_off, _ = _case(
+        [3, 4], [3, 4], heads=2, head_dim=32, radius=None, seed=0, dtype=torch.float32
+    )
+    q, k, v = t["q"], t["k"], t["v"]
+    ok = dict(q=q, k=k, v=v, q_offsets=q_off)
+    cases = [
+        (dict(q_offsets=q_off[None]), ValueError, "q_offsets must be 1-D"),
+        (dict(q_offsets=torch.tensor([1, 3, 7])), ValueError, r"q_offsets\[0\] must be 0"),
+        (dict(q_offsets=torch.tensor([0, 5, 4, 7])), ValueError, "non-decreasing"),
+        (dict(q_offsets=torch.tensor([0, 3, 6])), ValueError, "must equal the number of tokens 7"),
+        (dict(q_offsets=q_off.float()), TypeError, "int32 or int64"),
+        (dict(k=k.half()), TypeError, "k has dtype torch.float16"),
+        (dict(v=v[:, :1]), ValueError, "k and v must have the same shape"),
+        (dict(k=k[:, :1], v=v[:, :1]), ValueError, "k has 1 heads but q has 2"),
+        (dict(q=q[..., :16], k=k[..., :16], v=v[..., :16]), ValueError, "head dim 16; supported"),
+        (dict(q=q[0]), ValueError, "q must have 3 dimensions"),
+        (dict(k=k[:5], v=v[:5]), ValueError, "kv_offsets=None means self-attention"),
+        (dict(kv_offsets=torch.tensor([0, 7])), ValueError, "kv_offsets has 1 sequences"),
+        (dict(kv_offsets=torch.tensor([0, 3, 8])), ValueError, r"kv_offsets\[-1\] = 8"),
+        (dict(rel_bias=torch.zeros(2, 4)), ValueError, "rel_bias must have shape"),
+        (dict(rel_bias=torch.zeros(3, 5)), ValueError, "rel_bias must have shape"),
+        (dict(max_q_len=-1), ValueError, "max_q_len must be None or a non-negative int"),
+        (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+        (dict(backend="cuda"), ValueError, "backend must be one of"),
+        (
+            dict(q=q.double(), k=k.double(), v=v.double(), backend="triton"),
+            TypeError,
+            "triton backend supports",
+        ),
+    ]
+    return [({**ok, **change}, err, match) for change, err, match in cases]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), _bad_inputs())
+def test_bad_input_is_named(kwargs, error, match):
+    kwargs = dict(kwargs)
+    args = [kwargs.pop(n) for n in ("q", "k", "v", "q_offsets")]
+    with pytest.raises(error, match=match):
+        jagged_flash_attention(*args, **kwargs)
+
+
+def test_benchmark_smoke_runs():
+    script = REPO / "benchmarks" / "jagged" / "bench_jagged_flash_attention.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "jagged flash attention" in result.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16/fp16 kernels, compile and CUDA-graph capture of the Triton backend
+# ----------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # (q lengths, kv lengths or None for self, causal, radius, head dim)
+    ([1, 127, 128, 129, 700, 0, 3000], None, True, None, 128),
+    ([1, 127, 128, 129, 700, 0, 3000], None, False, 16, 64),
+    ([300, 5, 0, 1000], [64, 64, 64, 64], False, None, 128),
+    ([300, 5, 17, 1000], [200, 9, 0, 1500], True, 8, 32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("lq", "lk", "causal", "radius", "head_dim"), GPU_CASES)
+def test_gpu_matches_fp64_within_reference_error(dtype, lq, lk, causal, radius, head_dim):
+    lk = lq if lk is None else lk
+    tensors, q_off, kv_off = _case(
+        lq, lk, heads=2, head_dim=head_dim, radius=radius, seed=11, dtype=torch.float64,
+        device="cuda",
+    )  # fmt: skip
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
+    ref, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
+    got, _ = _run(
+        tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype, max_q_len=max(lq)
+    )
+    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert_within_reference_error(
+            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_compile_and_cuda_graph_capture():
+    tensors, q_off, kv_off = _case(
+        [100, 0, 2500, 7], [100, 0, 2500, 7], heads=2, head_dim=128, radius=4, seed=5,
+        dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    q, k, v, bias = (tensors[n].requires_grad_() for n in ("q", "k", "v", "rel_bias"))
+
+    def fn(q, k, v, bias):
+        return jagged_flash_attention(q, k, v, q_off, causal=True, rel_bias=bias, max_q_len=2500)
+
+    eager = fn(q, k, v, bias)
+    eager_grads = torch.autograd.grad(eager, [q, k, v, bias], tensors["do"])
+    compiled = torch.compile(fn, fullgraph=True)
+    out = compiled(q, k, v, bias)
+    grads = torch.autograd.grad(out, [q, k, v, bias], tensors["do"])
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (compiles the kernels) outside the capture
+            torch.autograd.grad(fn(*static), static, tensors["do"])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = fn(*static)
+        graph_grads = torch.autograd.grad(graph_out, static, tensors["do"])
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_out, eager, atol=0, rtol=0)
+    for g, e in zip(graph_grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
