@@ -1,1 +1,36 @@
-"""gem_lowprec."""
+"""gem_lowprec: MX / FP8 formats, near-bandwidth quantize kernels, a low-precision linear and
+FP8 all-gather for FSDP2.
+
+- ``to_mx`` / ``to_mx_2d`` / ``to_mx_rowcol`` -> ``MXTensor``: OCP microscaling with E8M0 scales,
+  bit-exact between the integer reference (CPU) and the Triton kernels (GPU).
+- ``rmsnorm_to_mx``: RMSNorm fused with 1×32 MX quantization.
+- ``LowPrecisionLinear`` and ``convert(model, recipe, skip=...)`` with the recipes ``mxfp8``,
+  ``fp8_rowwise`` and ``bf16``.
+- ``hadamard``: seeded random Hadamard transform; ``range_guard``: the 32×32 underflow guard;
+  ``fsdp``: the FP8 all-gather weight for FSDP2.
+
+Modules load on first use, so ``import gem_lowprec`` does not import triton.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "MXTensor": "gem_lowprec.mx_tensor",
+    "MXLayout": "gem_lowprec.mx_tensor",
+    "to_mx": "gem_lowprec.ops.mx_quantize",
+    "to_mx_2d": "gem_lowprec.ops.mx_quantize",
+    "to_mx_rowcol": "gem_lowprec.ops.mx_quantize",
+    "rmsnorm_to_mx": "gem_lowprec.ops.rmsnorm_mx",
+    "LowPrecisionLinear": "gem_lowprec.linear",
+    "convert": "gem_lowprec.convert",
+    "Recipe": "gem_lowprec.recipes",
+    "recipe": "gem_lowprec.recipes",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gem_lowprec' has no attribute {name!r}")
