@@ -1,0 +1,475 @@
+"""Profiling: what each region costs in memory and time under each policy.
+
+The planner predicts the peak of a training step from measurements, not from a formula. Three
+passes over the model, then one small experiment per region and policy:
+
+1. Capture: a forward under ``torch.no_grad`` records each region's inputs (cloned) and checks
+   that every region runs exactly once per step.
+2. Timeline: one real step (forward, loss, backward) with every region kept, under a memory meter
+   (``gem_memory.meter``) with a mark where each region's forward begins and ends and where its
+   backward begins (its output's gradient arrives) and ends (its inputs' gradients are done).
+   Between the marks lie the parts of the step that belong to no region (embeddings, the loss,
+   gradients flowing between blocks); their peaks become offsets that do not depend on the plan.
+3. Isolation: each region runs alone on its captured inputs, under each policy, three ways: under
+   the meter (bytes it keeps from forward to backward, the peak of its forward, the extra peak of
+   its backward), under ``FlopCounterMode`` (FLOPs of forward, recompute and backward), and
+   timed. The region's output gradient is injected by a sink function that holds nothing, so the
+   bytes left after the forward are exactly those autograd keeps for this region's backward.
+
+The prediction for a plan is then the largest of:
+``forward_base + kept bytes of earlier regions + this region's forward peak``,
+``backward_base + kept bytes of this and earlier regions + this region's backward extra``, and
+each outside segment's offset plus the kept bytes of the regions alive during it, plus the static
+bytes (parameters, buffers, inputs). ``gem_memory.solver`` searches the plans.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from .meter import default_loss, make_meter, static_bytes
+from .policies import POLICIES, set_policy
+from .quantize import QuantizedConfig
+from .regions import resolve_regions
+
+__all__ = ["PolicyProfile", "RegionProfile", "ModelProfile", "profile_model"]
+
+
+@dataclass(frozen=True)
+class PolicyProfile:
+    """One region under one policy, measured alone."""
+
+    saved_bytes: int  # kept from the end of the region's forward until its backward
+    forward_peak: int  # most bytes alive during its forward, its own inputs included
+    backward_extra: int  # most bytes alive during its backward above what was alive at its start
+    step_ms: float  # forward + backward time
+    flops: float  # forward + backward (+ recompute) FLOPs counted by FlopCounterMode
+
+
+@dataclass(frozen=True)
+class RegionProfile:
+    name: str
+    input_bytes: int  # bytes of the inputs that belong to this region alone
+    forward_base: (
+        int  # outside bytes alive when its forward begins (earlier regions' kept bytes excluded)
+    )
+    backward_base: int  # outside bytes alive when its backward begins
+    forward_flops: float
+    policies: dict[str, PolicyProfile] = field(default_factory=dict)
+
+    def recompute_ms(self, policy: str) -> float:
+        return max(0.0, self.policies[policy].step_ms - self.policies["keep"].step_ms)
+
+    def recompute_flops(self, policy: str) -> float:
+        return max(0.0, self.policies[policy].flops - self.policies["keep"].flops)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the solver needs; regions in the order the forward runs them."""
+
+    regions: tuple[RegionProfile, ...]
+    static_bytes: int
+    # outside_offsets[k]: peak of the outside segments during which regions[:k] keep their
+    # activations, minus those regions' kept bytes under "keep".
+    outside_offsets: tuple[int, ...]
+    quantized: QuantizedConfig
+    device: str
+
+    def predict_peak(self, policies) -> int:
+        """Predicted peak bytes of one step (static included) with ``policies[i]`` per region."""
+        peak = self.outside_offsets[0]
+        kept = 0
+        for i, (region, policy) in enumerate(zip(self.regions, policies, strict=True)):
+            p = region.policies[policy]
+            peak = max(
+                peak,
+                region.forward_base + kept + p.forward_peak,
+                region.backward_base + kept + p.saved_bytes + p.backward_extra,
+            )
+            kept += p.saved_bytes
+            peak = max(peak, self.outside_offsets[i + 1] + kept)
+        return self.static_bytes + peak
+
+
+class _Sink(torch.autograd.Function):
+    """Ends a region's isolated forward without saving its output; feeds fixed output grads."""
+
+    @staticmethod
+    def forward(ctx, grads, *outputs):
+        ctx.grads = grads
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.grads)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Isolated:
+    """One region with its captured inputs, ready to run alone under any policy."""
+
+    def __init__(self, module, args, kwargs, requires_grad, cloned, grads):
+        self.module = module
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.leaves = [
+            t.detach().requires_grad_(rg) if isinstance(t, torch.Tensor) else t
+            for t, rg in zip(flat, requires_grad, strict=True)
+        ]
+        self.cloned = cloned
+        self.grads = grads
+
+    def step(self, meter=None, *, eager=False):
+        """Forward + backward; with a meter, returns (input bytes, forward mark, backward mark).
+
+        ``eager`` bypasses a ``module.compile()`` (FLOP counting needs the aten ops)."""
+        flat = [
+            leaf.clone() if c else leaf for leaf, c in zip(self.leaves, self.cloned, strict=True)
+        ]
+        in_bytes = meter.live if meter is not None else 0
+        args, kwargs = tree_unflatten(flat, self.spec)
+        call = self.module._call_impl if eager else self.module
+        out = call(*args, **kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(outs) != len(self.grads):
+            raise RuntimeError(
+                f"region {type(self.module).__name__}: outputs requiring grad changed between runs"
+            )
+        sink = _Sink.apply(self.grads, *outs) if outs else None
+        del flat, args, kwargs, out, outs
+        forward = meter.mark() if meter is not None else None
+        if sink is not None:
+            sink.backward()
+        del sink
+        backward = meter.mark() if meter is not None else None
+        for p in self.module.parameters():
+            p.grad = None
+        return in_bytes, forward, backward
+
+    def measure(self, policy: str, quantized: QuantizedConfig, *, reps: int) -> PolicyProfile:
+        set_policy(self.module, policy, quantized)
+        device = self.grads[0].device if self.grads else torch.device("cpu")
+        try:
+            self.step()  # warm-up: one-time allocations (workspaces, compilation) happen here
+            meter = make_meter(device)
+            with meter:
+                meter.mark()
+                in_bytes, fwd, bwd = self.step(meter)
+            times = []
+            for _ in range(reps):
+                _sync(device)
+                t0 = time.perf_counter()
+                self.step()
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+            with FlopCounterMode(display=False) as counter:
+                self.step(eager=True)
+        finally:
+            set_policy(self.module, "keep")
+        return PolicyProfile(
+            saved_bytes=fwd.live,
+            forward_peak=fwd.peak,
+            backward_extra=max(0, bwd.peak - fwd.live),
+            step_ms=statistics.median(times),
+            flops=float(counter.get_total_flops()),
+        ), in_bytes
+
+
+def _forward_flops(module, args, kwargs) -> float:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        module._call_impl(*args, **kwargs)
+    return float(counter.get_total_flops())
+
+
+def profile_model(
+    model: torch.nn.Module,
+    sample_inputs,
+    *,
+    regions=None,
+    loss_fn=None,
+    policies=POLICIES,
+    quantized: QuantizedConfig | None = None,
+    timing_reps: int = 3,
+) -> ModelProfile:
+    """Measure every region under every policy in ``policies`` (see the module docstring).
+
+    The model's gradients and random-number state are restored afterwards, and any policy set on a
+    region before (an applied plan) is put back.
+    """
+    inputs = tuple(sample_inputs) if isinstance(sample_inputs, (tuple, list)) else (sample_inputs,)
+    named = resolve_regions(model, regions)
+    policies = _check_policies(policies)
+    quantized = quantized or QuantizedConfig()
+    loss_fn = loss_fn or default_loss
+    params = list(model.parameters())
+    saved_grads = [p.grad for p in params]
+    saved_forwards = {name: _detach_forward(m) for name, m in named.items()}
+    device = next(
+        (t.device for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)), None
+    )
+    device = device or (params[0].device if params else torch.device("cpu"))
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for p in params:
+                p.grad = None
+            static = static_bytes(model, *inputs)
+            captured, order = _capture(model, inputs, named)
+            shared = _shared_masks(captured, order, model, inputs)
+            timeline = _timeline(model, inputs, named, order, shared, loss_fn, device)
+            profiles = _isolate(
+                named, order, captured, shared, timeline, policies, quantized, timing_reps
+            )
+            return _assemble(profiles, timeline, order, static, quantized, device)
+    finally:
+        for p, g in zip(params, saved_grads, strict=True):
+            p.grad = g
+        for name, m in named.items():
+            _restore_forward(m, saved_forwards[name])
+
+
+def _check_policies(policies) -> tuple[str, ...]:
+    policies = tuple(policies)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"policies: expected a subset of {POLICIES}, got unknown {unknown}")
+    if "keep" not in policies:
+        policies = ("keep", *policies)  # the baseline every cost is measured against
+    return policies
+
+
+def _detach_forward(module):
+    state = {
+        k: module.__dict__[k]
+        for k in ("forward", "_gem_memory_original_forward")
+        if k in module.__dict__
+    }
+    set_policy(module, "keep")
+    return state
+
+
+def _restore_forward(module, state) -> None:
+    set_policy(module, "keep")
+    module.__dict__.update(state)
+
+
+def _capture(model, inputs, named):
+    """Region inputs from a no-grad forward (held, so storages stay distinct); execution order."""
+    captured: dict[str, tuple] = {}
+    calls = dict.fromkeys(named, 0)
+    order: list[str] = []
+
+    def pre_hook(name):
+        def hook(module, args, kwargs):
+            calls[name] += 1
+            if calls[name] == 1:
+                order.append(name)
+                detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t
+                captured[name] = (_map(detach, args), _map(detach, kwargs))
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in named.items()]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    bad = {n: c for n, c in calls.items() if c != 1}
+    if bad:
+        raise ValueError(
+            f"regions: each region must run exactly once per forward; calls per region: {bad}"
+        )
+    return captured, order
+
+
+def _map(fn, tree):
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([fn(x) for x in flat], spec)
+
+
+@dataclass
+class _Timeline:
+    events: list = field(default_factory=list)  # (kind, region index, Mark)
+    requires_grad: dict = field(default_factory=dict)  # name -> flags per flat input leaf
+    outputs: dict = field(default_factory=dict)  # name -> [(shape, dtype, device)] needing grads
+    without_exit: set = field(default_factory=set)  # regions whose backward end is not observable
+
+
+def _shared_masks(captured, order, model, inputs) -> dict[str, list[bool]]:
+    """Per region and flat input leaf: is it shared (with another region, or held statically)?"""
+    static = {
+        t.untyped_storage()._cdata
+        for t in [*model.parameters(), *model.buffers(), *tree_leaves(list(inputs))]
+        if isinstance(t, torch.Tensor)
+    }
+    uses: dict[int, int] = {}
+    flats = {}
+    for name in order:
+        flat, _ = tree_flatten(captured[name])
+        flats[name] = flat
+        for key in {t.untyped_storage()._cdata for t in flat if isinstance(t, torch.Tensor)}:
+            uses[key] = uses.get(key, 0) + 1
+    return {
+        name: [
+            isinstance(t, torch.Tensor)
+            and (t.untyped_storage()._cdata in static or uses[t.untyped_storage()._cdata] > 1)
+            for t in flats[name]
+        ]
+        for name in order
+    }
+
+
+def _timeline(model, inputs, named, order, shared, loss_fn, device) -> _Timeline:
+    """One kept step under the meter, with a mark at each region's forward and backward edges."""
+    index = {name: i for i, name in enumerate(order)}
+    tl = _Timeline()
+    meter = make_meter(device)
+
+    def mark(kind, i):
+        tl.events.append((kind, i, meter.mark()))
+
+    def pre_hook(name):
+        i = index[name]
+
+        def hook(module, args, kwargs):
+            mark("fwd_enter", i)
+            flat, _ = tree_flatten((args, kwargs))
+            tl.requires_grad[name] = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
+            watched = [
+                t
+                for t, rg, sh in zip(flat, tl.requires_grad[name], shared[name], strict=True)
+                if rg and not sh
+            ]
+            if not watched:
+                tl.without_exit.add(i)
+            pending = [len(watched)]
+
+            def input_grad_ready(grad):
+                pending[0] -= 1
+                if pending[0] == 0:
+                    mark("bwd_exit", i)
+
+            for t in watched:
+                t.register_hook(input_grad_ready)
+
+        return hook
+
+    def post_hook(name):
+        i = index[name]
+
+        def hook(module, args, kwargs, output):
+            mark("fwd_exit", i)
+            outs = [
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            tl.outputs[name] = [(t.shape, t.dtype, t.device) for t in outs]
+            fired = [False]
+
+            def output_grad_ready(grad):
+                if not fired[0]:
+                    fired[0] = True
+                    mark("bwd_enter", i)
+
+            for t in outs:
+                t.register_hook(output_grad_ready)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in named.items()]
+    handles += [m.register_forward_hook(post_hook(n), with_kwargs=True) for n, m in named.items()]
+    try:
+        with meter:
+            meter.mark()
+            loss = loss_fn(model(*inputs))
+            loss.backward()
+            del loss
+            mark("end", -1)
+    finally:
+        for h in handles:
+            h.remove()
+        for p in model.parameters():
+            p.grad = None
+    _exits_first(tl.events)
+    return tl
+
+
+def _exits_first(events) -> None:
+    """A region's backward ends and the previous one's begins on the same gradient: both hooks
+    fire back to back with nothing allocated between. Order such pairs end-then-begin."""
+    for k in range(len(events) - 1):
+        (kind_a, _, a), (kind_b, _, b) = events[k], events[k + 1]
+        if kind_a == "bwd_enter" and kind_b == "bwd_exit" and b.live == a.live and b.peak == b.live:
+            events[k], events[k + 1] = (kind_b, events[k + 1][1], a), (kind_a, events[k][1], b)
+
+
+def _isolate(named, order, captured, shared, tl, policies, quantized, reps):
+    profiles = {}
+    for name in order:
+        module = named[name]
+        args, kwargs = captured[name]
+        flat, _ = tree_flatten((args, kwargs))
+        cloned = [
+            isinstance(t, torch.Tensor) and not sh for t, sh in zip(flat, shared[name], strict=True)
+        ]
+        grads = tuple(
+            torch.randn(shape, dtype=dtype, device=dev) for shape, dtype, dev in tl.outputs[name]
+        )
+        iso = _Isolated(module, args, kwargs, tl.requires_grad[name], cloned, grads)
+        measured = {}
+        in_bytes = 0
+        for policy in policies:
+            measured[policy], in_bytes = iso.measure(policy, quantized, reps=reps)
+        profiles[name] = (in_bytes, _forward_flops(module, args, kwargs), measured)
+    return profiles
+
+
+def _assemble(profiles, tl, order, static, quantized, device) -> ModelProfile:
+    n = len(order)
+    kept = [profiles[name][2]["keep"].saved_bytes for name in order]
+    offsets = [0] * (n + 1)
+    forward_base, backward_base = {}, {}
+    alive: set[int] = set()
+    in_forward: int | None = None
+    in_backward: set[int] = set()
+    for kind, i, m in tl.events:
+        if in_forward is None and not in_backward:  # the segment ending here is outside regions
+            k = max(alive) + 1 if alive else 0
+            offsets[k] = max(offsets[k], m.peak - sum(kept[j] for j in alive))
+        for j in [j for j in in_backward if j in tl.without_exit]:
+            in_backward.discard(j)
+            alive.discard(j)
+        if kind == "fwd_enter":
+            in_forward = i
+            forward_base[i] = m.live - sum(kept[j] for j in alive) - profiles[order[i]][0]
+        elif kind == "fwd_exit":
+            in_forward = None
+            alive.add(i)
+        elif kind == "bwd_enter":
+            in_backward.add(i)
+            backward_base[i] = m.live - sum(kept[j] for j in alive | {i})
+        elif kind == "bwd_exit":
+            in_backward.discard(i)
+            alive.discard(i)
+    regions = []
+    for i, name in enumerate(order):
+        in_bytes, fwd_flops, measured = profiles[name]
+        regions.append(
+            RegionProfile(
+                name=name,
+                input_bytes=in_bytes,
+                forward_base=forward_base[i],
+                backward_base=backward_base.get(i, forward_base[i] + in_bytes),
+                forward_flops=fwd_flops,
+                policies=measured,
+            )
+        )
+    return ModelProfile(tuple(regions), static, tuple(offsets), quantized, str(device))
