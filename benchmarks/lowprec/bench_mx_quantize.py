@@ -86,7 +86,7 @@ def main():
         t = common.bench_ms(ours)
         tc = common.try_bench(compiled) if compiled else float("nan")
         te = common.try_bench(eager) if eager else float("nan")
-        tb = lambda ms: nbytes / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+        tb = lambda ms, nb=nbytes: nb / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
         rows.append([name, t * 1e3, tb(t), tc * 1e3, tb(tc), te * 1e3, tb(te), tc / t])
         headline[name.split()[0] if name.startswith("Q") and "cols" not in name else name] = tb(t)
     common.print_table(
