@@ -1,0 +1,212 @@
+"""Mixture-of-experts layer with expert parallelism and sync-free all-to-all token dispatch.
+
+Routing: a linear router scores every token against every expert; softmax, then each token picks
+its ``top_k`` experts and keeps their probabilities as gate weights. The layer's output is the
+gate-weighted sum of the chosen experts' outputs; each expert is a two-matrix SiLU feed-forward
+(``silu(x @ w_in) @ w_out``), so an all-zero input row gives an all-zero output row.
+
+Dispatch without a device-to-host sync. The usual all-to-all sends a different number of tokens
+to each peer, so every rank must first learn the split sizes on the host (a ``.tolist()`` that
+stalls the GPU). Here every (expert, source rank) pair owns a fixed number of *slots*, the
+capacity ``C``, so the buffers have static shapes:
+
+1. Each (token, choice) gets a slot: its rank among the assignments to the same expert, in token
+   order (a cumulative sum of one-hot rows). Assignments with slot >= C are dropped and counted in
+   ``MoE.dropped_assignments`` (a device tensor: reading it is the caller's choice, never a hidden
+   sync). With ``capacity_factor=None`` the capacity is the local token count, which no expert
+   can exceed (a token picks an expert at most once), so nothing is ever dropped; a capacity
+   factor trades that guarantee for smaller buffers, ``C = ceil(factor · T · top_k / E)``.
+2. Tokens are scattered into a zero buffer ``[E, C, d]`` (expert-major, so the slice for the
+   ``ep`` ranks is contiguous), exchanged with one ``all_to_all_single`` of equal splits, and the
+   received ``[ep, E_local, C, d]`` is regrouped to ``[E_local, ep·C, d]``: one batched matmul per
+   expert matrix, empty slots included (they are zeros and cost FLOPs, not correctness).
+3. The outputs travel back by the same all-to-all and are gathered from the slots, weighted by
+   the gates and summed over the choices.
+
+Gradients: the all-to-all with equal splits is its own transpose, so its backward is the same
+all-to-all of the gradients. An expert's weight gradient sums the contributions of every rank of
+its ``ep`` group, while data parallelism averages over the other ranks only; the layer scales
+the expert weights' gradients by ``1/ep`` so that, after FSDP's average, every parameter carries
+the mean gradient over all ranks, as in single-process training on the concatenated batch.
+
+``moe_reference`` is the same computation written as a loop over tokens and choices.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    d_model: int
+    d_hidden: int
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: no assignment is ever dropped
+
+    def __post_init__(self):
+        for name in ("d_model", "d_hidden", "num_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+
+    def capacity(self, num_tokens: int) -> int:
+        if self.capacity_factor is None:
+            return max(1, num_tokens)
+        return max(
+            1,
+            min(
+                num_tokens,
+                math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts),
+            ),
+        )
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with equal splits along dim 0; backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SiLU feed-forwards stored as two batched weights ``[E, d, h]``, ``[E, h, d]``."""
+
+    def __init__(self, num_experts: int, d_model: int, d_hidden: int):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(num_experts, d_model, d_hidden) / math.sqrt(d_model))
+        self.w_out = nn.Parameter(torch.randn(num_experts, d_hidden, d_model) / math.sqrt(d_hidden))
+        self.grad_scale = 1.0
+
+    def forward(self, x_ECd: torch.Tensor) -> torch.Tensor:
+        w_in, w_out = self.w_in, self.w_out
+        if self.grad_scale != 1.0:
+            w_in, w_out = (
+                _ScaleGrad.apply(w_in, self.grad_scale),
+                _ScaleGrad.apply(w_out, self.grad_scale),
+            )
+        return torch.bmm(F.silu(torch.bmm(x_ECd, w_in.to(x_ECd.dtype))), w_out.to(x_ECd.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.d_model, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, config.d_model, config.d_hidden)
+        self.ep_group: dist.ProcessGroup | None = None
+        self.ep_size = 1
+        self.dropped_assignments = torch.zeros((), dtype=torch.long)
+
+    @torch.no_grad()
+    def shard_experts(self, ep_group: dist.ProcessGroup) -> None:
+        """Keep only this rank's ``E / ep`` experts (contiguous block) and dispatch over ``ep_group``."""
+        if self.ep_group is not None:
+            raise RuntimeError("shard_experts was already called on this MoE")
+        ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.config.num_experts % ep:
+            raise ValueError(
+                f"num_experts={self.config.num_experts} is not divisible by the expert-parallel "
+                f"group size {ep}"
+            )
+        local = self.config.num_experts // ep
+        block = slice(rank * local, (rank + 1) * local)
+        self.experts.w_in = nn.Parameter(self.experts.w_in[block].clone())
+        self.experts.w_out = nn.Parameter(self.experts.w_out[block].clone())
+        self.experts.grad_scale = 1.0 / ep
+        self.ep_group, self.ep_size = ep_group, ep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, cfg = x.shape, self.config
+        if shape[-1] != cfg.d_model:
+            raise ValueError(
+                f"x must have last dimension d_model={cfg.d_model}, got shape {tuple(shape)}"
+            )
+        x_Td = x.reshape(-1, cfg.d_model)
+        T, E, k = x_Td.shape[0], cfg.num_experts, cfg.top_k
+        C = cfg.capacity(T)
+
+        probs_TE = torch.softmax(self.router(x_Td).float(), dim=-1)
+        gate_Tk, expert_Tk = torch.topk(probs_TE, k, dim=-1)
+        expert_A = expert_Tk.reshape(-1)  # A = T·k assignments, token-major
+        onehot_AE = F.one_hot(expert_A, E)
+        slot_A = (onehot_AE.cumsum(0) - 1).gather(1, expert_A[:, None]).squeeze(1)
+        kept_A = slot_A < C
+        self.dropped_assignments = (~kept_A).sum()
+        trash = E * C  # one spare row takes every dropped assignment
+        row_A = torch.where(kept_A, expert_A * C + slot_A, torch.full_like(slot_A, trash))
+
+        token_A = x_Td.repeat_interleave(k, dim=0)
+        buffer = x_Td.new_zeros(E * C + 1, cfg.d_model).index_add(0, row_A, token_A)
+        send_ECd = buffer[:trash].view(E, C, cfg.d_model)
+
+        if self.ep_group is None:
+            out_ECd = self.experts(send_ECd)
+        else:
+            ep, local = self.ep_size, E // self.ep_size
+            recv = _AllToAll.apply(send_ECd, self.ep_group).view(ep, local, C, cfg.d_model)
+            hidden = self.experts(recv.transpose(0, 1).reshape(local, ep * C, cfg.d_model))
+            back = hidden.view(local, ep, C, cfg.d_model).transpose(0, 1).reshape(E, C, cfg.d_model)
+            out_ECd = _AllToAll.apply(back, self.ep_group)
+
+        rows = torch.cat([out_ECd.reshape(E * C, cfg.d_model), out_ECd.new_zeros(1, cfg.d_model)])
+        weighted_A = rows[row_A] * (gate_Tk.reshape(-1, 1) * kept_A[:, None]).to(rows.dtype)
+        return weighted_A.view(T, k, cfg.d_model).sum(1).reshape(shape)
+
+
+def moe_reference(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    *,
+    top_k: int,
+    capacity: int | None = None,
+) -> torch.Tensor:
+    """Readable MoE: loop over tokens and their choices, first come first served per expert."""
+    x_Td = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax((x_Td @ router_weight.T).float(), dim=-1)
+    gates, experts = torch.topk(probs, top_k, dim=-1)
+    used = [0] * w_in.shape[0]
+    rows = []
+    for t in range(x_Td.shape[0]):
+        row = torch.zeros_like(x_Td[t])
+        for j in range(top_k):
+            e = int(experts[t, j])
+            if capacity is None or used[e] < capacity:
+                y = F.silu(x_Td[t] @ w_in[e]) @ w_out[e]
+                row = row + gates[t, j].to(y.dtype) * y
+            used[e] += 1
+        rows.append(row)
+    return torch.stack(rows).reshape(x.shape)
