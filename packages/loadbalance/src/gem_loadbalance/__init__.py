@@ -1,1 +1,29 @@
-"""gem_loadbalance."""
+"""gem_loadbalance: a cost model, partitioners and Base Batch Shuffling.
+
+- ``sample_cost`` / ``fit_cost_model`` / ``expected_sample_cost``: what a sample costs
+  (``a·L + b·L²``), fitted to measured step times, and the mean every rank can aim at.
+- ``partition(costs, k, method=...)``: split priced items into k balanced parts.
+- ``BaseBatchShuffler``: balanced local batches on every rank with no communication.
+- ``python -m gem_loadbalance.simulate``: measure the balance on workload B1.
+"""
+
+from .cost import CostModel, expected_sample_cost, fit_cost_model, sample_cost
+from .partition import METHODS, max_over_mean, part_loads, partition
+from .planner import batch_target, plan_local_batch
+from .shuffler import BaseBatchShuffler, ShufflerConfig, ShufflerStats
+
+__all__ = [
+    "METHODS",
+    "BaseBatchShuffler",
+    "CostModel",
+    "ShufflerConfig",
+    "ShufflerStats",
+    "batch_target",
+    "expected_sample_cost",
+    "fit_cost_model",
+    "max_over_mean",
+    "part_loads",
+    "partition",
+    "plan_local_batch",
+    "sample_cost",
+]
