@@ -1,0 +1,143 @@
+"""MoE layer: fixed-capacity dispatch against the loop reference, drops counted, gradients, the
+all-to-all path on a one-rank group, and (on a GPU) no device-to-host synchronization."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from gem_parallel.moe import MoE, MoEConfig, moe_reference
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+def _layer(d, h, e, k, cf, seed, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return MoE(MoEConfig(d, h, e, top_k=k, capacity_factor=cf)).to(dtype)
+
+
+def _reference(layer, x):
+    cfg = layer.config
+    capacity = (
+        None if cfg.capacity_factor is None else cfg.capacity(x.reshape(-1, cfg.d_model).shape[0])
+    )
+    return moe_reference(
+        x,
+        layer.router.weight,
+        layer.experts.w_in,
+        layer.experts.w_out,
+        top_k=cfg.top_k,
+        capacity=capacity,
+    )
+
+
+@given(
+    tokens=st.integers(1, 24),
+    experts=st.sampled_from([1, 2, 4, 5]),
+    top_k=st.integers(1, 3),
+    capacity_factor=st.sampled_from([None, 0.5, 1.0, 2.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_forward_and_gradients_match_the_reference(tokens, experts, top_k, capacity_factor, seed):
+    top_k = min(top_k, experts)
+    layer = _layer(8, 12, experts, top_k, capacity_factor, seed)
+    x = torch.randn(
+        tokens,
+        8,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(seed),
+        requires_grad=True,
+    )
+    out = layer(x)
+    ref_layer = _layer(8, 12, experts, top_k, capacity_factor, seed)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = _reference(ref_layer, x_ref)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for (name, p), p_ref in zip(layer.named_parameters(), ref_layer.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=name)
+
+
+def test_drops_are_counted_not_hidden():
+    layer = _layer(4, 4, 2, 1, 0.5, 0)  # capacity = ceil(0.5 * 16 * 1 / 2) = 4 per expert
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]]))
+    x = torch.zeros(16, 4, dtype=torch.float64)
+    x[:, 0] = 1.0  # every token prefers expert 0
+    layer(x)
+    assert int(layer.dropped_assignments) == 16 - 4
+    no_drop = _layer(4, 4, 2, 1, None, 0)
+    no_drop(x)
+    assert int(no_drop.dropped_assignments) == 0
+
+
+def test_leading_dimensions_are_kept():
+    layer = _layer(8, 8, 4, 2, None, 1, dtype=torch.float32)
+    x = torch.randn(2, 3, 8)
+    assert layer(x).shape == (2, 3, 8)
+    torch.testing.assert_close(layer(x).reshape(6, 8), layer(x.reshape(6, 8)))
+
+
+@pytest.fixture
+def one_rank_group():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_all_to_all_path_on_a_one_rank_group(one_rank_group):
+    layer = _layer(8, 12, 4, 2, None, 3)
+    ref_layer = _layer(8, 12, 4, 2, None, 3)
+    layer.shard_experts(one_rank_group)
+    assert layer.ep_group is one_rank_group and layer.experts.grad_scale == 1.0
+    x = torch.randn(10, 8, dtype=torch.float64)
+    out, ref = layer(x), _reference(ref_layer, x)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(layer.experts.w_in.grad, ref_layer.experts.w_in.grad)
+    with pytest.raises(RuntimeError, match="already"):
+        layer.shard_experts(one_rank_group)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d_model=4, d_hidden=4, num_experts=2, top_k=3), "top_k=3 exceeds num_experts=2"),
+        (dict(d_model=0, d_hidden=4, num_experts=2), "d_model must be >= 1"),
+        (dict(d_model=4, d_hidden=4, num_experts=2, capacity_factor=0.0), "capacity_factor"),
+    ],
+)
+def test_bad_config_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**kwargs)
+
+
+def test_wrong_width_is_named():
+    with pytest.raises(ValueError, match="d_model=8"):
+        _layer(8, 8, 2, 1, None, 0)(torch.zeros(3, 4, dtype=torch.float64))
+
+
+@pytest.mark.gpu
+def test_dispatch_never_syncs_with_the_host():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        layer = _layer(64, 128, 8, 2, 1.25, 0, dtype=torch.float32).cuda()
+        layer.shard_experts(dist.group.WORLD)  # the all-to-all path, on NCCL
+        x = torch.randn(256, 64, device="cuda", requires_grad=True)
+        layer(x).sum().backward()  # warm-up (allocations, NCCL setup)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(x).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
