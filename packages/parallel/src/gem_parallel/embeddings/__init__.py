@@ -1,0 +1,123 @@
+"""Sharded embedding tables: 2D and fully sharded 2D, through torchrec or in plain PyTorch.
+
+``shard_embeddings(module, backend=..., mesh=...)`` is the one entry:
+
+- ``backend="native"`` (``native.py``): plain PyTorch tables, row-wise sharded over the
+  model-parallel group, with the replicas' copies fully sharded (gathered on demand with an
+  asynchronous prefetch, gradients reduce-scattered) or kept whole (2D). Runs on the CPU with gloo
+  and on GPUs with NCCL; needs no fbgemm and no torchrec.
+- ``backend="torchrec"`` (``torchrec_backend.py``): torchrec's ``DMPCollection`` in its fully
+  sharded mode, CUDA only, with torchrec installed (the ``torchrec`` extra).
+
+Both take a torchrec ``KeyedJaggedTensor`` (or ``KeyedJagged``, its stand-in here) and return
+``PooledEmbeddings`` (pooling "sum"/"mean") or a dict of ``JaggedEmbeddings`` (pooling "none").
+
+The ranks come as a 2D ``DeviceMesh`` (dim 0: replicas, dim 1: model parallel; a 1D mesh is
+model parallel only) or as two process groups; the planner's sparse mesh plugs in directly.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .kjt import FeatureIds, JaggedEmbeddings, KeyedJagged, PooledEmbeddings, split_features
+from .native import ShardedEmbeddingTables, ShardingConfig
+from .tables import EmbeddingTables, TableConfig
+
+BACKENDS = ("native", "torchrec")
+
+__all__ = [
+    "BACKENDS",
+    "EmbeddingTables",
+    "FeatureIds",
+    "JaggedEmbeddings",
+    "KeyedJagged",
+    "PooledEmbeddings",
+    "ShardedEmbeddingTables",
+    "ShardingConfig",
+    "TableConfig",
+    "resolve_groups",
+    "shard_embeddings",
+    "split_features",
+]
+
+
+def resolve_groups(
+    mesh=None,
+    *,
+    model_parallel_group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """``(model_parallel_group, replica_group)`` from a mesh or from the groups themselves."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    if mesh is not None:
+        if model_parallel_group is not None or replica_group is not None:
+            raise ValueError("pass either mesh or the process groups, not both")
+        if mesh.ndim == 1:
+            return mesh.get_group(0), None
+        if mesh.ndim == 2:
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError(
+            f"mesh must be 1D (model parallel) or 2D (replicas x model parallel), got {mesh.ndim}D"
+        )
+    mp = model_parallel_group if model_parallel_group is not None else dist.group.WORLD
+    if replica_group is not None and replica_group.size() * mp.size() > dist.get_world_size():
+        raise ValueError(
+            f"replica_group ({replica_group.size()} ranks) x model_parallel_group ({mp.size()} "
+            f"ranks) exceeds the world ({dist.get_world_size()} ranks)"
+        )
+    return mp, replica_group
+
+
+def shard_embeddings(
+    module: nn.Module,
+    *,
+    backend: str = "native",
+    mesh=None,
+    model_parallel_group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
+    config: ShardingConfig | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Shard ``module`` (an ``EmbeddingTables``, or a torchrec EmbeddingBagCollection /
+    EmbeddingCollection) over the mesh; returns a module with the same forward.
+
+    Every rank must pass identical weights (same seed or a loaded checkpoint); each keeps its
+    slice. ``config`` (``ShardingConfig``) picks fully sharded vs 2D, prefetch, gradient reduction
+    and the collectives' engine; the torchrec back end reads only ``fully_sharded`` from it.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    config = config if config is not None else ShardingConfig()
+    mp, replicas = resolve_groups(
+        mesh, model_parallel_group=model_parallel_group, replica_group=replica_group
+    )
+    if backend == "torchrec":
+        from .torchrec_backend import shard_with_torchrec
+
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        return shard_with_torchrec(
+            module,
+            model_parallel_group=mp,
+            fully_sharded=config.fully_sharded,
+            device=torch.device(device),
+        )
+    if not isinstance(module, EmbeddingTables):
+        if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs"):
+            module = EmbeddingTables.from_torchrec(module)
+        else:
+            raise TypeError(
+                "module must be a gem_parallel EmbeddingTables or a torchrec "
+                f"EmbeddingBagCollection / EmbeddingCollection, got {type(module).__name__}"
+            )
+    if device is not None:
+        module = module.to(device)
+    return ShardedEmbeddingTables(
+        module, model_parallel_group=mp, replica_group=replicas, config=config
+    )
