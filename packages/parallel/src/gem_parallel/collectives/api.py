@@ -92,6 +92,8 @@ def reduce_scatter(
     _check_tensor("x", x)
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    if op == "avg" and not x.is_floating_point():
+        raise TypeError(f"op='avg' needs a floating-point tensor, got {x.dtype}")
     group = _group(group)
     world = group.size()
     if x.shape[0] % world:
@@ -108,8 +110,6 @@ def reduce_scatter(
     if chosen == "copy_engine":
         work = copy_engine.reduce_scatter_into(output, x, group, op=op, async_op=async_op)
         return _done(output, work, async_op)
-    if op == "avg" and not x.is_floating_point():
-        raise TypeError(f"op='avg' needs a floating-point tensor, got {x.dtype}")
     # gloo has no AVG: sum, then divide when the sum is complete, so every backend agrees.
     work = reduce_scatter_single(output, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
     if op == "avg":
@@ -138,13 +138,11 @@ def _check_splits(name: str, splits, *, world: int, rows: int | None) -> list[in
     return splits
 
 
-def exchange_split_sizes(input_split_sizes: list[int], *, group: dist.ProcessGroup) -> list[int]:
-    """The rows each peer will send here, from the rows this rank sends each peer."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(group) == "nccl"
-        else "cpu"
-    )
+def exchange_split_sizes(
+    input_split_sizes: list[int], *, group: dist.ProcessGroup, device: torch.device
+) -> list[int]:
+    """The rows each peer will send here, from the rows this rank sends each peer (one small
+    all-to-all of counts on ``device`` and one device-to-host copy)."""
     send = torch.tensor(input_split_sizes, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -185,7 +183,7 @@ def all_to_all(
         "input_split_sizes", input_split_sizes, world=world, rows=x.shape[0]
     )
     if output_split_sizes is None:
-        output_split_sizes = exchange_split_sizes(input_split_sizes, group=group)
+        output_split_sizes = exchange_split_sizes(input_split_sizes, group=group, device=x.device)
     output_split_sizes = _check_splits(
         "output_split_sizes", output_split_sizes, world=world, rows=None
     )

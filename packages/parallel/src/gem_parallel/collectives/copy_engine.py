@@ -50,23 +50,25 @@ def _disable_multicast() -> None:
 
 @dataclass
 class _GroupState:
+    group: dist.ProcessGroup  # held so that its id() stays unique while the state lives
     stream: torch.cuda.Stream
     buffer: torch.Tensor | None = None
     handle: object | None = None
 
 
-_states: dict[str, _GroupState] = {}
-_one_host: dict[str, bool] = {}
+# Keyed by (name, id): a group destroyed and re-created may reuse its name.
+_states: dict[tuple[str, int], _GroupState] = {}
+_one_host: dict[tuple[str, int], tuple[dist.ProcessGroup, bool]] = {}
 
 
 def group_is_on_one_host(group: dist.ProcessGroup) -> bool:
     """True when every rank of ``group`` runs on this host (a collective on first call, cached)."""
-    name = group.group_name
-    if name not in _one_host:
+    key = (group.group_name, id(group))
+    if key not in _one_host:
         hosts: list[str | None] = [None] * group.size()
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _one_host[name] = len(set(hosts)) == 1
-    return _one_host[name]
+        _one_host[key] = (group, len(set(hosts)) == 1)
+    return _one_host[key][1]
 
 
 def _symm_mem():
@@ -87,9 +89,10 @@ def _enable_group(symm_mem, group_name: str) -> None:
 def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _GroupState:
     """The group's workspace, grown (a collective: every rank asks for the same size) if needed."""
     name = group.group_name
-    state = _states.get(name)
+    state = _states.get((name, id(group)))
     if state is None:
-        state = _states[name] = _GroupState(stream=torch.cuda.Stream(device=device))
+        state = _GroupState(group=group, stream=torch.cuda.Stream(device=device))
+        _states[(name, id(group))] = state
     have = 0 if state.buffer is None else state.buffer.numel()
     if have < nbytes:
         _disable_multicast()

@@ -68,9 +68,12 @@ def copy_engine_supported(device: torch.device, group: dist.ProcessGroup) -> tup
     """Whether the copy-engine path can run for this device and group, and if not, why."""
     if device.type != "cuda":
         return False, f"the tensor is on {device.type}; the copy-engine path needs CUDA tensors"
-    backend = dist.get_backend(group)
-    if backend != "nccl":
-        return False, f"the group's backend is {backend!r}; the copy-engine path needs 'nccl'"
+    backend = str(dist.get_backend(group))
+    if backend != "nccl" and "cuda:nccl" not in backend.split(","):
+        return (
+            False,
+            f"the group's backend is {backend!r}; the copy-engine path needs NCCL for CUDA",
+        )
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:

@@ -84,7 +84,8 @@ def shard_embeddings(
     EmbeddingCollection) over the mesh; returns a module with the same forward.
 
     Every rank must pass identical weights (same seed or a loaded checkpoint); each keeps its
-    slice. ``config`` (``ShardingConfig``) picks fully sharded vs 2D, prefetch, gradient reduction
+    slice, on ``device`` (default: where ``module``'s weights are), so the full tables may stay on
+    the CPU. ``config`` (``ShardingConfig``) picks fully sharded vs 2D, prefetch, gradient reduction
     and the collectives' engine; the torchrec back end reads only ``fully_sharded`` from it.
     """
     if backend not in BACKENDS:
@@ -116,8 +117,6 @@ def shard_embeddings(
                 "module must be a gem_parallel EmbeddingTables or a torchrec "
                 f"EmbeddingBagCollection / EmbeddingCollection, got {type(module).__name__}"
             )
-    if device is not None:
-        module = module.to(device)
     return ShardedEmbeddingTables(
-        module, model_parallel_group=mp, replica_group=replicas, config=config
+        module, model_parallel_group=mp, replica_group=replicas, config=config, device=device
     )

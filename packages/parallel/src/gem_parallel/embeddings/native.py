@@ -164,6 +164,7 @@ class ShardedEmbeddingTables(nn.Module):
         model_parallel_group: dist.ProcessGroup,
         replica_group: dist.ProcessGroup | None,
         config: ShardingConfig,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.tables: list[TableConfig] = list(source.tables)
@@ -186,7 +187,9 @@ class ShardedEmbeddingTables(nn.Module):
             full = source.weights[t.name].detach()
             start, valid = self._range(t, layout)
             rows = full[start : start + valid]
-            padded = full.new_zeros(shard, t.embedding_dim)
+            padded = torch.zeros(
+                shard, t.embedding_dim, dtype=full.dtype, device=device or full.device
+            )
             padded[: rows.shape[0]] = rows
             shards[t.name] = nn.Parameter(padded)
         self.shards = nn.ParameterDict(shards)
@@ -258,7 +261,9 @@ class ShardedEmbeddingTables(nn.Module):
         owner = torch.div(ids, layout.block_rows, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=self.M).tolist()
-        recv_counts = collectives.exchange_split_sizes(send_counts, group=self.mp_group)
+        recv_counts = collectives.exchange_split_sizes(
+            send_counts, group=self.mp_group, device=device
+        )
         asked = collectives.all_to_all(
             ids[order],
             group=self.mp_group,
