@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch._dynamo  # noqa: F401  (DeviceMesh slicing imports it lazily: keep that out of the timing)
 import torch.distributed as dist
 from gem_parallel.layout import MeshLayout
 from gem_parallel.meshes import build_meshes, fake_world, group_ranks

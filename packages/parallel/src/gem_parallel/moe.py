@@ -167,7 +167,7 @@ class MoE(nn.Module):
         trash = E * C  # one spare row takes every dropped assignment
         row_A = torch.where(kept_A, expert_A * C + slot_A, torch.full_like(slot_A, trash))
 
-        token_A = x_Td.repeat_interleave(k, dim=0)
+        token_A = x_Td[:, None, :].expand(T, k, cfg.d_model).reshape(T * k, cfg.d_model)
         buffer = x_Td.new_zeros(E * C + 1, cfg.d_model).index_add(0, row_A, token_A)
         send_ECd = buffer[:trash].view(E, C, cfg.d_model)
 
@@ -181,7 +181,7 @@ class MoE(nn.Module):
             out_ECd = _AllToAll.apply(back, self.ep_group)
 
         rows = torch.cat([out_ECd.reshape(E * C, cfg.d_model), out_ECd.new_zeros(1, cfg.d_model)])
-        weighted_A = rows[row_A] * (gate_Tk.reshape(-1, 1) * kept_A[:, None]).to(rows.dtype)
+        weighted_A = rows.index_select(0, row_A) * (gate_Tk.reshape(-1, 1) * kept_A[:, None]).to(rows.dtype)
         return weighted_A.view(T, k, cfg.d_model).sum(1).reshape(shape)
 
 
