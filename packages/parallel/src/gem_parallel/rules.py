@@ -16,7 +16,8 @@ when the rule is kept is named.
 import dataclasses
 from collections.abc import Callable
 
-from gem_parallel.planner import Plan, fastest_fitting
+from gem_parallel.planner import fastest_fitting
+from gem_parallel.step_cost import Plan
 
 
 def _placement(plan: Plan, dim: str):
