@@ -139,3 +139,18 @@ def test_fsdp_hook_on_one_gpu_matches_default_all_gather(one_rank_world):
 def test_install_fsdp_all_gather_needs_an_fsdp_module():
     with pytest.raises(ValueError, match="no FSDP2 module"):
         collectives.install_fsdp_all_gather(torch.nn.Linear(2, 2))
+
+
+def test_overlap_benchmark_smoke_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        Path(__file__).resolve().parents[2] / "benchmarks/parallel/bench_copy_engine_overlap.py"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "smoke (CPU, gloo, one rank)" in proc.stdout

@@ -221,3 +221,16 @@ def test_sharded_on_one_gpu_matches_unsharded(one_rank_world, pooling):
         ref, model_parallel_group=dist.group.WORLD, config=ShardingConfig(reduce="sum")
     )
     _compare_forward_backward(sharded, ref, _kjt(TABLES, 5, device="cuda"))
+
+
+def test_memory_benchmark_smoke_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks/parallel/bench_embeddings_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "saved by full sharding: 50.0%" in proc.stdout, proc.stdout[-2000:]
