@@ -81,3 +81,13 @@ def test_build_refuses_a_layout_for_another_world():
         with pytest.raises(RuntimeError, match="already"):
             with fake_world(4):
                 pass
+
+
+def test_one_rank_without_a_process_group(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert not dist.is_initialized()
+    try:
+        meshes = build_meshes(MeshLayout(1, 1, 1), device_type="cpu")
+        assert dist.get_world_size() == 1 and meshes.dense.shape == (1, 1)
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,10 @@
   model-parallel dimension inside), a second factorization of the same ranks.
 
 The backend follows the device: NCCL on CUDA, gloo on the CPU; whatever default process group is
-already initialized is used (torchrun's, a test's gloo group, or the fake process group).
+already initialized is used (torchrun's, a test's gloo group, or the fake process group). Without
+one, a one-rank layout outside torchrun gets a private one-rank group (so a single-process trainer
+runs the same code path), and anything larger lets ``init_device_mesh`` read torchrun's
+environment.
 
 Dry runs: ``fake_world(world_size, rank=0)`` initializes torch's fake process group (collectives
 return at once, no other process exists), so a rank of a 16,384-GPU job can build its meshes in
@@ -18,6 +21,7 @@ one process in seconds and check that every group is the one the plan meant.
 """
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -67,6 +71,10 @@ def build_meshes(plan_or_layout, *, device_type: str | None = None) -> ParallelM
             f"plan_or_layout must be a Plan or a MeshLayout, got {type(plan_or_layout).__name__}"
         )
     device_type = device_type or default_device_type()
+    if not dist.is_initialized() and layout.world == 1 and "RANK" not in os.environ:
+        # one process without torchrun (a laptop, the tiny trainer): a private one-rank group
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_initialized() and dist.get_world_size() != layout.world:
         raise ValueError(
             f"the layout is for {layout.world} ranks but the process group has "
