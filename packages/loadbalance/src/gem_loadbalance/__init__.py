@@ -4,16 +4,34 @@
   (``a·L + b·L²``), fitted to measured step times, and the mean every rank can aim at.
 - ``partition(costs, k, method=...)``: split priced items into k balanced parts.
 - ``BaseBatchShuffler``: balanced local batches on every rank with no communication.
+- ``SubBatches`` / ``ShufflingIterableDataset`` / ``kjt_*``: PyTorch data loading and torchrec
+  ``KeyedJaggedTensor`` batches (duck-typed; torchrec is never imported).
 - ``python -m gem_loadbalance.simulate``: measure the balance on workload B1.
 """
 
 from .cost import CostModel, expected_sample_cost, fit_cost_model, sample_cost
+from .integrations import (
+    KJTRow,
+    KJTSubBatches,
+    ShufflingIterableDataset,
+    SubBatches,
+    collate_kjt_rows,
+    kjt_rows,
+    kjt_sub_batch_cost,
+)
 from .partition import METHODS, max_over_mean, part_loads, partition
 from .planner import batch_target, plan_local_batch
 from .shuffler import BaseBatchShuffler, ShufflerConfig, ShufflerStats
 
 __all__ = [
     "METHODS",
+    "KJTRow",
+    "KJTSubBatches",
+    "ShufflingIterableDataset",
+    "SubBatches",
+    "collate_kjt_rows",
+    "kjt_rows",
+    "kjt_sub_batch_cost",
     "BaseBatchShuffler",
     "CostModel",
     "ShufflerConfig",

@@ -30,6 +30,8 @@ def _lengths_array(name: str, lengths) -> np.ndarray:
         array = lengths.detach().cpu().numpy()
     else:
         array = np.asarray(lengths)
+        if array.size == 0:
+            array = array.astype(np.int64)
     if array.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     if array.size and array.min() < 0:

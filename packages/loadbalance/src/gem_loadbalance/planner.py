@@ -34,7 +34,7 @@ Everything is numpy over at most a few thousand floats: well under 5 ms per 1024
 
 import numpy as np
 
-__all__ = ["batch_target", "plan_local_batch"]
+__all__ = ["batch_target", "deadline_floor", "plan_local_batch"]
 
 
 def batch_target(
@@ -54,6 +54,32 @@ def batch_target(
     )
 
 
+def deadline_floor(
+    costs: np.ndarray, natural_batch: np.ndarray, *, step: int, count: int, max_delay: int
+) -> float:
+    """The least this batch must cost so that samples nearing their delay limit fit in time.
+
+    Samples due within the next ``j + 1`` batches (natural batch ≤ step + j − max_delay) must
+    leave within ``j + 1`` batches, together with enough other samples to fill their
+    ``(j + 1) · count`` slots. Counting the ``j · count`` samples still to be read as free (so the
+    bound never overstates) and the rest as the cheapest pooled samples, the floor spreads that
+    cost evenly over the ``j + 1`` batches, for every ``j`` up to ``max_delay``. When a pool has
+    piled up heavy samples this raises the current batch a little instead of overshooting one
+    batch a lot; in a healthy pool it stays far below the target.
+    """
+    floor = 0.0
+    order = np.argsort(costs, kind="stable")
+    for j in range(max_delay + 1):
+        due = natural_batch <= step + j - max_delay
+        n_due = int(due.sum())
+        slots = (j + 1) * count
+        if n_due == 0 or n_due > slots:
+            continue
+        fill = order[~due[order]][: max(slots - n_due - j * count, 0)]
+        floor = max(floor, (float(costs[due].sum()) + float(costs[fill].sum())) / (j + 1))
+    return floor
+
+
 def plan_local_batch(
     costs: np.ndarray,
     natural_batch: np.ndarray,
@@ -62,13 +88,15 @@ def plan_local_batch(
     count: int,
     target: float,
     max_delay: int,
+    lookahead: int | None = None,
     swap_rounds: int = 16,
 ) -> np.ndarray:
     """Indices into the pool of the ``count`` samples that form batch ``step``.
 
     ``costs[i]`` and ``natural_batch[i]`` describe pooled sample ``i`` (its natural batch is the
     batch it would belong to without shuffling). Every sample with
-    ``natural_batch <= step - max_delay`` is included.
+    ``natural_batch <= step - max_delay`` is included; with ``lookahead``, no sample with
+    ``natural_batch > step + lookahead`` is (a sub-batch may straddle the read horizon).
     """
     costs = np.asarray(costs, dtype=np.float64)
     natural_batch = np.asarray(natural_batch, dtype=np.int64)
@@ -81,11 +109,18 @@ def plan_local_batch(
         raise ValueError(f"count must lie in [0, {costs.size}] (the pool size), got {count}")
     forced_mask = natural_batch <= step - max_delay
     forced = np.flatnonzero(forced_mask)
-    optional = np.flatnonzero(~forced_mask)
+    eligible = ~forced_mask
+    if lookahead is not None:
+        eligible &= natural_batch <= step + lookahead
+    optional = np.flatnonzero(eligible)
     slots = count - forced.size
     if slots < 0:
         raise ValueError(
             f"{forced.size} samples reached their delay limit but the batch holds only {count}"
+        )
+    if slots > optional.size:
+        raise ValueError(
+            f"count {count} exceeds the {forced.size + optional.size} samples eligible at step {step}"
         )
     if slots == 0:
         return forced

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .planner import batch_target, plan_local_batch
+from .planner import batch_target, deadline_floor, plan_local_batch
 
 __all__ = ["ShufflerConfig", "ShufflerStats", "BaseBatchShuffler"]
 
@@ -338,6 +338,10 @@ class BaseBatchShuffler:
                 headroom=cfg.headroom,
                 gain=cfg.gain,
             )
+            floor = deadline_floor(
+                pool.costs, natural, step=self._step, count=count, max_delay=cfg.max_delay
+            )
+            target = max(target, floor)
             chosen = plan_local_batch(
                 pool.costs,
                 natural,
@@ -345,6 +349,7 @@ class BaseBatchShuffler:
                 count=count,
                 target=target,
                 max_delay=cfg.max_delay,
+                lookahead=cfg.lookahead,
             )
             order = np.random.default_rng([cfg.seed, self._step]).permutation(chosen.size)
             chosen = chosen[order]
