@@ -87,19 +87,19 @@ def _tiles_of(lengths_B: torch.Tensor, block: int, num_slots: int):
 
 
 def _sorted(cost_W, valid_W, seq_W, start_W, lo_W, hi_W, splits_W, num_slots, block):
-    cost_W = torch.where(valid_W, cost_W, torch.full_like(cost_W, -1))
+    """Order the slots heaviest first; one stacked gather keeps the launch count low."""
+    cost_W = torch.where(valid_W, cost_W, -1)
+    seq_W = torch.where(valid_W, seq_W, -1)
     order_W = torch.argsort(cost_W, descending=True, stable=True)
-    seq_W = torch.where(valid_W, seq_W, torch.full_like(seq_W, -1))
-
-    def pick(x):
-        return x[order_W].to(torch.int32)
-
+    fields_5W = torch.stack([seq_W, start_W, lo_W, hi_W, splits_W]).to(torch.int32)
+    fields_5W = fields_5W.index_select(1, order_W)
+    seq, start, lo, hi, splits = fields_5W.unbind(0)
     return TileWorkList(
-        seq_W=pick(seq_W),
-        start_W=pick(start_W),
-        lo_W=pick(lo_W),
-        hi_W=pick(hi_W),
-        splits_W=pick(splits_W),
+        seq_W=seq,
+        start_W=start,
+        lo_W=lo,
+        hi_W=hi,
+        splits_W=splits,
         num_slots=num_slots,
         block=block,
     )

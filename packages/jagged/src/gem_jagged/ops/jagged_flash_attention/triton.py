@@ -23,10 +23,10 @@ Backward, dK/dV kernel (one program per (key tile, query-range chunk, head))
 
 Backward, dQ kernel (one program per (query tile, head), the forward's work list)
     Mirrors the forward loop: ``dQ += dS K``. It also owns the relative-bias gradient: each
-    program reduces ``dS`` of its tiles by diagonal (a tile far from the diagonal band adds its
-    whole sum to the first or last bucket; a tile in the band is skewed with a gather so each
-    diagonal becomes a column, then summed) into registers and its own row of a partial buffer,
-    and the rows are summed once on the host side of the launch. No global per-element atomics.
+    program reduces ``dS`` of its tiles by diagonal into its own row of a partial buffer (the two
+    clamped edge buckets take one masked tile sum each; only tiles crossing the band |j − i| < R
+    reduce their interior diagonals one by one), and one sum over the rows finishes it. No
+    per-element atomics, and no two programs ever add into the same address.
 """
 
 from dataclasses import dataclass
@@ -63,9 +63,9 @@ class JaggedAttentionConfig:
 _INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3)
 
 _GPU_CONFIGS = {
-    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 2, 128, 64, 8, 2, 2048, 8),
-    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 2048, 8),
-    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 2048, 8),
+    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 2, 128, 64, 8, 2, 4096, 4),
+    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 4096, 4),
+    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 4096, 4),
 }
 
 
@@ -210,6 +210,26 @@ def _jfa_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
+# Backward: δ = rowsum(dO ⊙ O)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _jfa_delta_kernel(
+    out_TqNH, do_TqNH, delta_NTq, total_q, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    row_ok_T = rows_T < total_q
+    offsets_TH = rows_T.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM
+    offsets_TH += tl.arange(0, HEAD_DIM)[None, :]
+    out_TH = tl.load(out_TqNH + offsets_TH, mask=row_ok_T[:, None], other=0.0).to(tl.float32)
+    do_TH = tl.load(do_TqNH + offsets_TH, mask=row_ok_T[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_NTq + head * total_q + rows_T, tl.sum(out_TH * do_TH, 1), mask=row_ok_T)
+
+
+# ----------------------------------------------------------------------------------------------
 # Backward: dK and dV
 # ----------------------------------------------------------------------------------------------
 
@@ -351,7 +371,7 @@ def _jfa_dkdv_finish_kernel(
 
 @triton.jit
 def _dq_key_blocks(
-    dq_MH, bias_lo, bias_hi, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+    dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
     dbias_row_R2, rows_M, q_start, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
@@ -382,31 +402,27 @@ def _dq_key_blocks(
         ds_MN = p_MN * (dp_MN - delta_M[:, None])
         dq_MH = tl.dot(ds_MN.to(k_NH.dtype), k_NH, dq_MH, input_precision=DOT_PRECISION)
         if HAS_BIAS:
-            # The tile covers diagonals d = j - i in [d_min, d_min + M + Nk - 2].
-            d_min = block_start - q_start - (BLOCK_M - 1)
-            d_max = d_min + BLOCK_M + BLOCK_N - 2
-            if d_max <= -radius:
-                bias_lo += tl.sum(tl.sum(ds_MN, 1), 0)
-            elif d_min >= radius:
-                bias_hi += tl.sum(tl.sum(ds_MN, 1), 0)
-            else:
-                # Skew: column c' of row r holds ds[r, c' + r - (M - 1)], so column c' is the
-                # diagonal d_min + c'. Sum the rows and add each diagonal to its clamped bucket.
-                r_M = tl.arange(0, BLOCK_M)
-                c_D = tl.arange(0, BLOCK_M + BLOCK_N)
-                src_MD = c_D[None, :] + r_M[:, None] - (BLOCK_M - 1)
-                in_tile_MD = (src_MD >= 0) & (src_MD < BLOCK_N)
-                src_MD = tl.minimum(tl.maximum(src_MD, 0), BLOCK_N - 1)
-                skewed_MD = tl.gather(ds_MN, src_MD, 1)
-                diag_sums_D = tl.sum(tl.where(in_tile_MD, skewed_MD, 0.0), 0)
-                bucket_D = tl.minimum(tl.maximum(d_min + c_D, -radius), radius) + radius
-                tl.atomic_add(
-                    dbias_row_R2 + bucket_D,
-                    diag_sums_D,
-                    mask=c_D < BLOCK_M + BLOCK_N - 1,
-                    sem="relaxed",
-                )
-    return dq_MH, bias_lo, bias_hi
+            # Reduce dS by diagonal d = j - i into the clamped buckets, in this program's own
+            # row of the partial buffer: the two edge buckets take masked sums of the whole
+            # tile, and each interior diagonal the tile crosses (none when the tile lies
+            # outside the band |d| < R) takes one masked sum. One scalar atomic per bucket.
+            rel_MN = cols_N[None, :] - rows_M[:, None]
+            tl.atomic_add(
+                dbias_row_R2,
+                tl.sum(tl.sum(tl.where(rel_MN <= -radius, ds_MN, 0.0), 1), 0),
+                sem="relaxed",
+            )
+            tl.atomic_add(
+                dbias_row_R2 + 2 * radius,
+                tl.sum(tl.sum(tl.where(rel_MN >= tl.maximum(radius, 1), ds_MN, 0.0), 1), 0),
+                sem="relaxed",
+            )
+            d_min = tl.maximum(block_start - q_start - (BLOCK_M - 1), 1 - radius)
+            d_max = tl.minimum(block_start - q_start + BLOCK_N - 1, radius - 1)
+            for d in range(d_min, d_max + 1):
+                diag_sum = tl.sum(tl.sum(tl.where(rel_MN == d, ds_MN, 0.0), 1), 0)
+                tl.atomic_add(dbias_row_R2 + d + radius, diag_sum, sem="relaxed")
+    return dq_MH
 
 
 @triton.jit
@@ -447,29 +463,24 @@ def _jfa_dq_kernel(
     dbias_row_R2 = dbias_part_PR2 + pid.to(tl.int64) * (2 * radius + 1)
 
     dq_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    bias_lo = tl.zeros([], tl.float32)
-    bias_hi = tl.zeros([], tl.float32)
     full_stop = k_len
     if CAUSAL:
         full_stop = tl.minimum(full_stop, q_start + 1 + diag)
     full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
     full_stop = tl.minimum(full_stop, k_stop)
-    dq_MH, bias_lo, bias_hi = _dq_key_blocks(
-        dq_MH, bias_lo, bias_hi, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+    dq_MH = _dq_key_blocks(
+        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
         dbias_row_R2, rows_M, q_start, k_len, diag, 0, full_stop, qk_scale_log2, radius,
         stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
-    dq_MH, bias_lo, bias_hi = _dq_key_blocks(
-        dq_MH, bias_lo, bias_hi, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+    dq_MH = _dq_key_blocks(
+        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
         dbias_row_R2, rows_M, q_start, k_len, diag, full_stop, k_stop, qk_scale_log2, radius,
         stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     tl.store(
         dq_TqNH + q_offsets_MH, (dq_MH * scale).to(dq_TqNH.dtype.element_ty), mask=row_ok_M[:, None]
     )
-    if HAS_BIAS:
-        tl.atomic_add(dbias_row_R2, bias_lo, sem="relaxed")
-        tl.atomic_add(dbias_row_R2 + 2 * radius, bias_hi, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,21 +520,41 @@ def jfa_backward(
     dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
 ):
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
-    total_q, num_heads, head_dim = q.shape
-    total_k = k.shape[0]
-    cfg = config_for(head_dim, q.device)
-    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1).t().contiguous()  # [N, Tq]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    has_bias = rel_bias is not None
-    bias = rel_bias.contiguous() if has_bias else q
-    radius = _radius(rel_bias)
-    precision = _dot_precision(q.dtype)
+    q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
+    delta = backward_delta(out, dout)
+    dk, dv = backward_dkdv(
+        dout, q, k, v, lse, delta, q_offsets, kv_offsets,
+        causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
+    )  # fmt: skip
+    dq, dbias = backward_dq(
+        dout, q, k, v, lse, delta, q_offsets, kv_offsets,
+        causal=causal, scale=scale, rel_bias=rel_bias,
+    )  # fmt: skip
+    return dq, dk, dv, dbias
 
+
+def backward_delta(out, dout):
+    """``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32."""
+    total_q, num_heads, head_dim = out.shape
+    delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=out.device)
+    block_t = 16 if out.device.type != "cuda" else 64
+    _jfa_delta_kernel[(triton.cdiv(total_q, block_t), num_heads)](
+        out, dout, delta, total_q, num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t
+    )
+    return delta
+
+
+def backward_dkdv(
+    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
+):
+    """dK and dV (contiguous inputs) from the key-tile work list, long query ranges split."""
+    total_q, num_heads, head_dim = q.shape
+    cfg = config_for(head_dim, q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
     max_splits = max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
     kwork = key_tiles(
-        q_offsets, kv_offsets, total_kv=total_k, block=cfg.dkdv_block_n, causal=causal,
+        q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
         align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits,
     )  # fmt: skip
     if max_splits > 1:
@@ -531,37 +562,46 @@ def jfa_backward(
         dv_scratch = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     else:
         dk_scratch = dv_scratch = dk
-    grid_k = (kwork.num_slots * num_heads,)
-    _jfa_dkdv_kernel[grid_k](
-        q, k, v, dout, lse, delta, bias, dk, dv, dk_scratch, dv_scratch,
+    grid = (kwork.num_slots * num_heads,)
+    _jfa_dkdv_kernel[grid](
+        q, k, v, dout, lse, delta, rel_bias if rel_bias is not None else q,
+        dk, dv, dk_scratch, dv_scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
-        num_heads, total_q, scale, scale * LOG2E, radius,
+        num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias),
         HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-        CAUSAL=causal, HAS_BIAS=has_bias, DOT_PRECISION=precision,
+        CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     if max_splits > 1:
-        _jfa_dkdv_finish_kernel[grid_k](
+        _jfa_dkdv_finish_kernel[grid](
             dk, dv, dk_scratch, dv_scratch, kv_offsets,
             kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
             HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n,
         )  # fmt: skip
+    return dk, dv
 
+
+def backward_dq(dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias):
+    """dQ and the relative-bias gradient (contiguous inputs) from the query-tile work list."""
+    total_q, num_heads, head_dim = q.shape
+    cfg = config_for(head_dim, q.device)
+    dq = torch.empty_like(q)
+    radius = _radius(rel_bias)
     qwork = query_tiles(q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal)
     num_programs = qwork.num_slots * num_heads
-    if has_bias:
+    if rel_bias is not None:
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
     else:
         dbias_part = lse
     _jfa_dq_kernel[(num_programs,)](
-        q, k, v, dout, lse, delta, bias, dq, dbias_part,
+        q, k, v, dout, lse, delta, rel_bias if rel_bias is not None else q, dq, dbias_part,
         q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
         num_heads, total_q, scale, scale * LOG2E, radius,
         HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        CAUSAL=causal, HAS_BIAS=has_bias, DOT_PRECISION=precision,
+        CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     dbias = None
-    if has_bias:
+    if rel_bias is not None:
         dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0).to(rel_bias.dtype)
-    return dq, dk, dv, dbias
+    return dq, dbias
