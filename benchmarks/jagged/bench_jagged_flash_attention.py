@@ -258,11 +258,12 @@ def run_sweep(dtype) -> None:
     base = jfa_triton._GPU_CONFIGS[HEAD_DIM]
     variants = {
         "default": base,
-        "fwd n128": dataclasses.replace(base, fwd_block_n=128),
-        "fwd s2": dataclasses.replace(base, fwd_stages=2),
-        "dkdv m32 w4 s3": dataclasses.replace(base, dkdv_block_m=32, dkdv_warps=4, dkdv_stages=3),
+        "fwd w4": dataclasses.replace(base, fwd_warps=4),
         "dkdv s3": dataclasses.replace(base, dkdv_stages=3),
+        "dkdv n64 w4": dataclasses.replace(base, dkdv_block_n=64, dkdv_warps=4),
+        "dkdv n64 w8 s3": dataclasses.replace(base, dkdv_block_n=64, dkdv_stages=3),
         "dq n32 s3": dataclasses.replace(base, dq_block_n=32, dq_stages=3),
+        "dq m64 w4 s3": dataclasses.replace(base, dq_block_m=64, dq_warps=4, dq_stages=3),
         "no split": dataclasses.replace(base, max_splits=1),
     }
     rows = []
