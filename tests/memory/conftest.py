@@ -54,6 +54,10 @@ def toy_batch(seed: int = 0, *, batch=4, length=64, in_dim=8) -> torch.Tensor:
     return torch.randn(batch, length, in_dim, generator=gen)
 
 
-@pytest.fixture(scope="module")
-def toy():
-    return make_toy(), toy_batch()
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Timings in profiles are steadier with one thread on a shared two-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

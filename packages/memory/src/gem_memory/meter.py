@@ -49,10 +49,20 @@ class AccountingMeter(TorchDispatchMode):
 
     # -- the dispatch hook: register new storages --------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # An output sharing an input's storage (a view, an in-place op) allocated nothing; this
+        # also keeps views of tensors made before the meter started out of the count.
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not t.is_meta
+        }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
-                self._register(t.untyped_storage())
+                storage = t.untyped_storage()
+                if storage._cdata not in inputs:
+                    self._register(storage)
         return out
 
     def _register(self, storage) -> None:

@@ -10,9 +10,11 @@ Formats:
 - ``"fp8_e4m3"``: rows along the last dimension, one fp32 scale per row
   (``scale = amax / 448``), elements ``x / scale`` rounded to nearest-even into
   ``float8_e4m3fn``. This is the project's own packing; it needs nothing beyond torch.
-- ``"mxfp8"`` and ``"mxfp4"``: OCP microscaling blocks of 32 along the last dimension with E8M0
-  scales, through ``gem_lowprec.to_mx`` (the optional ``lowprec`` extra). Asking for them without
-  gem_lowprec installed is an error that says so.
+- ``"mxfp8"``: OCP microscaling, E4M3 elements in blocks of 32 along the last dimension with
+  E8M0 scales, through ``gem_lowprec.to_mx`` (the optional ``lowprec`` extra; asking for it
+  without gem_lowprec installed is an error that says so).
+- ``"mxfp4"``: the same blocks with E2M1 elements, two per byte (``gem_memory.mxfp4``; gem_lowprec
+  has FP8 elements only).
 
 What is never packed: integer and boolean tensors, tensors under ``min_bytes``, and parameters
 (and views of them): a parameter stays alive anyway, so a packed copy would add memory. A tensor
@@ -30,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from .mxfp4 import to_mxfp4
 
 __all__ = ["FORMATS", "QuantizedConfig", "quantized_activations", "pack", "unpack"]
 
@@ -57,15 +61,9 @@ def _lowprec():
         return importlib.import_module("gem_lowprec")
     except ImportError as exc:
         raise ImportError(
-            "fmt='mxfp8'/'mxfp4' needs gem_lowprec (install gem-memory[lowprec]); "
-            "fmt='fp8_e4m3' works without it"
+            "fmt='mxfp8' needs gem_lowprec (install gem-memory[lowprec]); "
+            "fmt='fp8_e4m3' and 'mxfp4' work without it"
         ) from exc
-
-
-def _mx_elem_dtype(fmt: str):
-    if fmt == "mxfp8":
-        return torch.float8_e4m3fn
-    return torch.float4_e2m1fn_x2
 
 
 # -- the packed forms --------------------------------------------------------------------------
@@ -82,7 +80,7 @@ class _RowFP8:
 
 @dataclass
 class _MX:
-    mx: object  # gem_lowprec.MXTensor
+    mx: object  # gem_lowprec.MXTensor or gem_memory.mxfp4.MXFP4
     shape: torch.Size
     dtype: torch.dtype
 
@@ -105,11 +103,12 @@ def pack(x: torch.Tensor, fmt: str):
     """Packed copy of ``x`` in ``fmt`` (``unpack`` restores shape and dtype)."""
     if fmt == "fp8_e4m3":
         return _pack_fp8_rows(x)
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
-    lowprec = _lowprec()
-    mx = lowprec.to_mx(x.detach().contiguous(), elem_dtype=_mx_elem_dtype(fmt), block_size=32)
-    return _MX(mx, x.shape, x.dtype)
+    if fmt == "mxfp8":
+        mx = _lowprec().to_mx(x.detach(), elem_dtype=torch.float8_e4m3fn, block_size=32)
+        return _MX(mx, x.shape, x.dtype)
+    if fmt == "mxfp4":
+        return _MX(to_mxfp4(x), x.shape, x.dtype)
+    raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
 
 
 def unpack(packed) -> torch.Tensor:
@@ -126,7 +125,9 @@ def _packable(t: torch.Tensor, config: QuantizedConfig) -> bool:
         return False
     if _is_parameter_like(t):
         return False
-    if config.fmt != "fp8_e4m3" and (t.dim() == 0 or t.shape[-1] % 32 != 0):
+    if config.fmt != "fp8_e4m3" and (
+        t.dim() == 0 or t.shape[-1] % 32 != 0 or t.dtype == torch.float64
+    ):
         return False  # MX blocks run along the last dimension; ragged rows stay exact
     return True
 
@@ -135,12 +136,12 @@ def _packable(t: torch.Tensor, config: QuantizedConfig) -> bool:
 def quantized_activations(fmt: str = "fp8_e4m3", *, min_bytes: int = 64 * 1024):
     """Keep the tensors autograd saves in this block quantized until the backward needs them.
 
-    ``fmt``: ``"fp8_e4m3"`` (per-row scales), ``"mxfp8"`` or ``"mxfp4"`` (MX blocks of 32, via
-    gem_lowprec). ``min_bytes``: tensors smaller than this are saved as they are. For MX formats a
+    ``fmt``: ``"fp8_e4m3"`` (per-row scales), ``"mxfp8"`` (MX blocks of 32, via gem_lowprec) or
+    ``"mxfp4"`` (MX blocks of 32, E2M1 elements). ``min_bytes``: tensors smaller than this are saved as they are. For MX formats a
     tensor whose last dimension is not a multiple of 32 is also saved as it is.
     """
     config = QuantizedConfig(fmt, min_bytes)
-    if fmt != "fp8_e4m3":
+    if fmt == "mxfp8":
         _lowprec()  # fail at the door, not in the middle of a forward
     with saved_tensor_packing(config):
         yield
