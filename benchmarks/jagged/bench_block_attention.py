@@ -9,7 +9,9 @@ of the op; the anchors apply it outside, compiled, positions from each sequence 
 - ``padded SDPA``: the sequences padded to a multiple of 64 and cut into ``[blocks, N, 64, D]``,
   causal SDPA (flash backend) over the blocks as a batch (padding outside the timing).
 
-``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast.
+The ``(graph)`` row times CUDA-graph replays of the project's step (kernels without host-side
+launch cost). ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch
+errors fast.
 """
 
 import argparse
@@ -106,7 +108,8 @@ def padded_blocks_fn(lengths, device, smoke, block):
     return pad, to_blocks, fn
 
 
-def timed(fn, q, k, v, do, *, backward, bench):
+def timed(fn, q, k, v, do, *, backward, bench, graph=False):
+    """Median ms of a forward (or forward + backward) step; ``graph`` times CUDA-graph replays."""
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
     if not backward:
 
@@ -119,6 +122,17 @@ def timed(fn, q, k, v, do, *, backward, bench):
         def step():
             torch.autograd.grad(fn(*leaves), leaves, do)
 
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+        return bench(cuda_graph.replay)
     return bench(step)
 
 
@@ -157,6 +171,10 @@ def run(smoke: bool) -> None:
         for name, (fn, args) in fns.items():
             measure = common.bench_ms if name == "block_attention" else common.try_bench
             ms[name] = timed(fn, *args, backward=backward, bench=measure)
+        if device == "cuda":
+            ms["block_attention (graph)"] = timed(
+                project, q, k, v, do, backward=backward, bench=common.try_bench, graph=True
+            )
         label = "fwd+bwd" if backward else "fwd"
         base = ms["block_attention"]
         for name, t in ms.items():

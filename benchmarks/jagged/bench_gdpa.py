@@ -10,8 +10,11 @@ backward 3.5× that. Anchors, measured in the same run (inputs padded or packed 
 - ``flex``: FlexAttention (softmax, compiled) on the packed sequences with a document mask;
 - ``JFA`` (J1 only): this package's softmax jagged flash attention, the goal's yardstick.
 
-``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast;
-``--sweep`` also times a few tile configurations of the project's kernels.
+Rows marked ``(graph)`` time CUDA-graph replays of the same step: the kernels alone, without
+the host-side cost of building work lists and dispatching (what a compiled, graph-captured
+training step pays). ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors)
+to catch errors fast; ``--quick`` skips the compiled anchors; ``--sweep`` also times a few tile
+configurations of the project's kernels.
 """
 
 import argparse
@@ -199,7 +202,9 @@ def padded_act_fn(w, key_mask, smoke):
     return fn if smoke else torch.compile(fn, dynamic=False)
 
 
-def timed(fn, q, k, v, do, *, backward, bench):
+def timed(fn, q, k, v, do, *, backward, bench, graph=False):
+    """Median ms of a forward (or forward + backward) step; ``graph`` times CUDA-graph replays,
+    which removes the host-side launch cost (work-list construction, Python dispatch)."""
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
     if not backward:
 
@@ -212,6 +217,17 @@ def timed(fn, q, k, v, do, *, backward, bench):
         def step():
             torch.autograd.grad(fn(*leaves), leaves, do)
 
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+        return bench(cuda_graph.replay)
     return bench(step)
 
 
@@ -239,7 +255,27 @@ def sweep(device, dtype) -> None:
     common.print_table("GDPA tile sweep (ms)", ["workload", "tiles", "fwd", "fwd+bwd"], rows)
 
 
-def run(smoke: bool, do_sweep: bool) -> None:
+def overhead(rows, w) -> None:
+    """Host-side cost of one work-list build on J3 (eager, no kernel): part of every eager call."""
+    from gem_jagged._checks import check_offsets
+    from gem_jagged._worklist import key_tiles, query_tiles
+
+    q_off, kv_off = common.offsets_of(w.q_lengths, "cuda"), common.offsets_of(w.kv_lengths, "cuda")
+    total_q, total_kv = int(w.q_lengths.sum()), int(w.kv_lengths.sum())
+    parts = {
+        "query_tiles build": lambda: query_tiles(q_off, kv_off, total_q=total_q, block=128),
+        "key_tiles build (split)": lambda: key_tiles(
+            q_off, kv_off, total_kv=total_kv, block=128, align=64, split_rows=512, max_splits=16
+        ),
+        "check_offsets (host copy)": lambda: check_offsets(
+            "q_offsets", q_off, total=total_q, device=q_off.device
+        ),
+    }
+    for name, fn in parts.items():
+        rows.append([w.name, "host", name, common.try_bench(fn), float("nan"), float("nan")])
+
+
+def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
@@ -254,20 +290,27 @@ def run(smoke: bool, do_sweep: bool) -> None:
         fns = {
             "gdpa": (project_fn(w, device), (q, k, v, do)),
             "padded SDPA": (padded_sdpa_fn(w, key_mask), (pq, pk, pv, pdo)),
-            "flex": (flex_fn(w, device, smoke), (q, k, v, do)),
         }
-        if w.name == "J1":  # the activation anchor of workloads.md (compiling it takes a while)
+        if not quick:
+            fns["flex"] = (flex_fn(w, device, smoke), (q, k, v, do))
+        if w.name == "J1" and not quick:  # the activation anchor of workloads.md (slow compile)
             fns["padded act"] = (padded_act_fn(w, key_mask, smoke), (pq, pk, pv, pdo))
         if w.name == "J1":
             jfa = jfa_fn(w, device)
             if jfa is not None:
                 fns["JFA"] = (jfa, (q, k, v, do))
+        graphed = [n for n in ("gdpa", "JFA") if n in fns] if device == "cuda" else []
         for backward in (False, True):
             flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
             ms = {}
             for name, (fn, args) in fns.items():
                 measure = common.bench_ms if name == "gdpa" else common.try_bench
                 ms[name] = timed(fn, *args, backward=backward, bench=measure)
+            for name in graphed:
+                fn, args = fns[name]
+                ms[f"{name} (graph)"] = timed(
+                    fn, *args, backward=backward, bench=common.try_bench, graph=True
+                )
             label = "fwd+bwd" if backward else "fwd"
             for name, t in ms.items():
                 rows.append(
@@ -279,7 +322,10 @@ def run(smoke: bool, do_sweep: bool) -> None:
                 ms=ms["gdpa"],
                 tflops=common.tflops(flops, ms["gdpa"]),
                 **{f"x_{n.replace(' ', '_')}": ms[n] / ms["gdpa"] for n in ms if n != "gdpa"},
+                graph_ms=ms.get("gdpa (graph)", float("nan")),
             )
+    if device == "cuda":
+        overhead(rows, workloads(smoke)[1])
     common.print_table(
         f"GDPA useful TFLOP/s, {common.environment()}",
         ["workload", "pass", "impl", "ms", "TFLOP/s", "time / gdpa time"],
@@ -293,5 +339,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configurations")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the compiled anchors (FlexAttention, padded act)"
+    )
     args = parser.parse_args()
-    run(args.smoke, args.sweep)
+    run(args.smoke, args.sweep, args.quick)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..._worklist import query_tiles
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

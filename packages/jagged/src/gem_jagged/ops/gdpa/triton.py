@@ -79,15 +79,6 @@ def _activation(s, ACT: tl.constexpr):
 
 
 @triton.jit
-def _pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL: tl.constexpr):
-    """Visible (query, key) pairs of one tile: inside both sequences, and causal bottom-right."""
-    visible = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (kv_len - q_len))
-    return visible
-
-
-@triton.jit
 def _bias_buckets(offs_m, offs_n, RADIUS):
     rel = offs_n[None, :] - offs_m[:, None]
     return tl.minimum(tl.maximum(rel, -RADIUS), RADIUS) + RADIUS
@@ -145,6 +136,37 @@ def _load_rows(ptr, begin, offs, length, stride, head_col):
 
 
 @triton.jit
+def _causal(offs_m, offs_n, diag):
+    """Bottom-right causal visibility: key ``j`` is seen by query ``i`` when ``j ≤ i + Lk − Lq``.
+
+    Pairs outside the sequences need no mask anywhere: their rows of q, k, v and dO load as zeros,
+    so they add nothing to any output or gradient.
+    """
+    return offs_n[None, :] <= offs_m[:, None] + diag
+
+
+@triton.jit
+def _fwd_tile(
+    acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt, stride_vt,
+    head_col, rel_bias_ptr, head, RADIUS, scale, diag,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """acc += act(scale·Q Kᵀ + bias) V for one key tile (masked only on the causal diagonal)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+    v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+    s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
+    if HAS_BIAS:
+        bucket = _bias_buckets(offs_m, offs_n, RADIUS)
+        s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket).to(tl.float32)
+    p_MN = _activation(s_MN, ACT)
+    if MASK:
+        p_MN = tl.where(_causal(offs_m, offs_n, diag), p_MN, 0.0)
+    return acc_MH + _mm(p_MN.to(v_NH.dtype), v_NH, IEEE)
+
+
+@triton.jit
 def _gdpa_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr,
     q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, hi_W_ptr,
@@ -163,32 +185,37 @@ def _gdpa_fwd_kernel(
     q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
         q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q
     )
+    diag = kv_len - q_len
     if BROADCAST_Q:  # the list tiles the keys in chunks; axis 2 tiles the seeds
         q_start = tl.program_id(2) * BLOCK_M
         kv_lo = tl.load(start_W_ptr + pid)
         kv_hi = tl.minimum(kv_lo + KV_CHUNK, kv_len)
         if CAUSAL:
-            kv_hi = tl.minimum(kv_hi, q_start + BLOCK_M + kv_len - q_len)
+            kv_hi = tl.minimum(kv_hi, q_start + BLOCK_M + diag)
     else:  # the list tiles the queries and gives the visible key range [0, hi)
         q_start = tl.load(start_W_ptr + pid)
-        kv_lo = 0
+        kv_lo = tl.zeros((), tl.int32)
         kv_hi = tl.load(hi_W_ptr + pid)
+    # Key tiles wholly left of the first row's diagonal need no mask: [kv_lo, kv_mid).
+    kv_mid = kv_hi
+    if CAUSAL:
+        kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, kv_lo), kv_hi)
+        kv_mid = kv_lo + (kv_mid - kv_lo) // BLOCK_N * BLOCK_N
     offs_m = q_start + tl.arange(0, BLOCK_M)
     head_col = head * H + tl.arange(0, H)
     q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
     acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
     # Stage 2: stream key/value tiles: S = scale·QKᵀ (+ bias), P = act(S) ⊙ mask, acc += P V.
-    for start_n in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
-        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
-        s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
-        if HAS_BIAS:
-            bucket = _bias_buckets(offs_m, offs_n, RADIUS)
-            s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket).to(tl.float32)
-        p_MN = _activation(s_MN, ACT)
-        p_MN = tl.where(_pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL), p_MN, 0.0)
-        acc_MH += _mm(p_MN.to(v_NH.dtype), v_NH, IEEE)
+    for start_n in range(kv_lo, kv_mid, BLOCK_N):
+        acc_MH = _fwd_tile(
+            acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt, stride_vt,
+            head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS, False, BLOCK_N, IEEE,
+        )  # fmt: skip
+    for start_n in range(kv_mid, kv_hi, BLOCK_N):
+        acc_MH = _fwd_tile(
+            acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt, stride_vt,
+            head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS, CAUSAL, BLOCK_N, IEEE,
+        )  # fmt: skip
     # Stage 3: write (or, for PMA key chunks, add) the scaled accumulator.
     acc_MH = acc_MH * out_scale
     out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
@@ -196,6 +223,41 @@ def _gdpa_fwd_kernel(
         tl.atomic_add(out_ptrs, acc_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
     else:
         tl.store(out_ptrs, acc_MH.to(out_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+
+
+@triton.jit
+def _dkdv_tile(
+    dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
+    out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head, RADIUS,
+    scale, out_scale, diag,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BROADCAST_Q: tl.constexpr, MASK: tl.constexpr,
+    NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One query tile's share of dK, dV (and, for PMA, of dQ), on transposed scores Sᵀ."""
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+    do_MH = _load_rows(do_ptr, out_begin, offs_m, q_len, stride_dot, head_col)
+    sT_NM = _mm(k_NH, tl.trans(q_MH), IEEE) * scale
+    if HAS_BIAS:
+        relT_NM = offs_n[:, None] - offs_m[None, :]
+        bucketT_NM = tl.minimum(tl.maximum(relT_NM, -RADIUS), RADIUS) + RADIUS
+        sT_NM += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucketT_NM).to(tl.float32)
+    pT_NM, slopeT_NM = _activation_and_slope(sT_NM, ACT)
+    dpT_NM = _mm(v_NH, tl.trans(do_MH), IEEE)
+    dsT_NM = dpT_NM * slopeT_NM * out_scale
+    if MASK:
+        visibleT_NM = tl.trans(_causal(offs_m, offs_n, diag))
+        pT_NM = tl.where(visibleT_NM, pT_NM, 0.0)
+        dsT_NM = tl.where(visibleT_NM, dsT_NM, 0.0)
+    dv_NH += _mm(pT_NM.to(do_MH.dtype), do_MH, IEEE)
+    dk_NH += _mm(dsT_NM.to(q_MH.dtype), q_MH, IEEE)
+    if BROADCAST_Q:  # seeds are shared by all sequences: add this tile's dQ share once
+        dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
+        dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqt + head_col[None, :]
+        tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
+        if HAS_BIAS:
+            dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
+    return dk_NH, dv_NH, dbias_NB
 
 
 @triton.jit
@@ -217,9 +279,15 @@ def _gdpa_bwd_dkdv_kernel(
     q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
         q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q
     )
+    diag = kv_len - q_len
     k_start = tl.load(start_W_ptr + pid)
     q_lo = tl.load(lo_W_ptr + pid)
     q_hi = tl.load(hi_W_ptr + pid)
+    # Query tiles from q_mid on see the whole key tile: only [q_lo, q_mid) needs the mask.
+    q_mid = q_lo
+    if CAUSAL:
+        first_full = tl.maximum(k_start + BLOCK_N - 1 - diag - q_lo, 0)
+        q_mid = tl.minimum(q_lo + (first_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_hi)
     offs_n = k_start + tl.arange(0, BLOCK_N)
     head_col = head * H + tl.arange(0, H)
     k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
@@ -227,29 +295,21 @@ def _gdpa_bwd_dkdv_kernel(
     dk_NH = tl.zeros((BLOCK_N, H), tl.float32)
     dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
-    # Stage 2: stream query tiles, working on transposed scores Sᵀ [keys, queries].
-    for q_start in range(q_lo, q_hi, BLOCK_M):
-        offs_m = q_start + tl.arange(0, BLOCK_M)
-        q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
-        do_MH = _load_rows(do_ptr, out_begin, offs_m, q_len, stride_dot, head_col)
-        sT_NM = _mm(k_NH, tl.trans(q_MH), IEEE) * scale
-        if HAS_BIAS:
-            relT_NM = offs_n[:, None] - offs_m[None, :]
-            bucketT_NM = tl.minimum(tl.maximum(relT_NM, -RADIUS), RADIUS) + RADIUS
-            sT_NM += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucketT_NM).to(tl.float32)
-        pT_NM, slopeT_NM = _activation_and_slope(sT_NM, ACT)
-        visibleT_NM = tl.trans(_pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL))
-        pT_NM = tl.where(visibleT_NM, pT_NM, 0.0)
-        dv_NH += _mm(pT_NM.to(do_MH.dtype), do_MH, IEEE)
-        dpT_NM = _mm(v_NH, tl.trans(do_MH), IEEE)
-        dsT_NM = tl.where(visibleT_NM, dpT_NM * slopeT_NM, 0.0) * out_scale
-        dk_NH += _mm(dsT_NM.to(q_MH.dtype), q_MH, IEEE)
-        if BROADCAST_Q:  # seeds are shared by all sequences: add this tile's dQ share once
-            dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
-            dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqt + head_col[None, :]
-            tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
-            if HAS_BIAS:
-                dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
+    # Stage 2: stream query tiles: dV += Pᵀ dO, dSᵀ = (V dOᵀ) ⊙ act'(Sᵀ), dK += dSᵀ Q.
+    for q_start in range(q_lo, q_mid, BLOCK_M):
+        dk_NH, dv_NH, dbias_NB = _dkdv_tile(
+            dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
+            out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
+            RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q, CAUSAL, NB_POW2, BLOCK_M,
+            IEEE,
+        )  # fmt: skip
+    for q_start in range(q_mid, q_hi, BLOCK_M):
+        dk_NH, dv_NH, dbias_NB = _dkdv_tile(
+            dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
+            out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
+            RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q, False, NB_POW2, BLOCK_M,
+            IEEE,
+        )  # fmt: skip
     # Stage 3: dK = scale·dSᵀQ, dV = out_scale·PᵀdO; split tiles add into fp32 buffers.
     dk_NH = dk_NH * scale
     dv_NH = dv_NH * out_scale
@@ -265,6 +325,32 @@ def _gdpa_bwd_dkdv_kernel(
     if BROADCAST_Q & HAS_BIAS:
         idx = tl.arange(0, NB_POW2)
         tl.store(dbias_WNB_ptr + (pid * num_heads + head) * NB_POW2 + idx, dbias_NB)
+
+
+@triton.jit
+def _dq_tile(
+    dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
+    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, NB_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One key tile's share of dQ: dS = (dO Vᵀ) ⊙ act'(S), dQ += dS K."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+    v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+    s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
+    if HAS_BIAS:
+        bucket_MN = _bias_buckets(offs_m, offs_n, RADIUS)
+        s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket_MN).to(tl.float32)
+    slope_MN = _activation_and_slope(s_MN, ACT)[1]
+    dp_MN = _mm(do_MH, tl.trans(v_NH), IEEE)
+    ds_MN = dp_MN * slope_MN * out_scale
+    if MASK:
+        ds_MN = tl.where(_causal(offs_m, offs_n, diag), ds_MN, 0.0)
+    dq_MH += _mm(ds_MN.to(k_NH.dtype), k_NH, IEEE)
+    if HAS_BIAS:
+        dbias_NB = _accumulate_bias_grad(dbias_NB, ds_MN, bucket_MN, NB_POW2)
+    return dq_MH, dbias_NB
 
 
 @triton.jit
@@ -285,30 +371,31 @@ def _gdpa_bwd_dq_kernel(
     q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
         q_offsets_ptr, kv_offsets_ptr, seq, 0, False
     )
+    diag = kv_len - q_len
     q_start = tl.load(start_W_ptr + pid)
     kv_hi = tl.load(hi_W_ptr + pid)
+    kv_mid = kv_hi
+    if CAUSAL:  # key tiles wholly left of the first row's diagonal need no mask
+        kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
     offs_m = q_start + tl.arange(0, BLOCK_M)
     head_col = head * H + tl.arange(0, H)
     q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
     do_MH = _load_rows(do_ptr, q_begin, offs_m, q_len, stride_dot, head_col)
     dq_MH = tl.zeros((BLOCK_M, H), tl.float32)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
-    # Stage 2: stream key tiles: dS = (dO Vᵀ) ⊙ act'(S), dQ += dS K.
-    for start_n in range(0, kv_hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
-        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
-        s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
-        if HAS_BIAS:
-            bucket_MN = _bias_buckets(offs_m, offs_n, RADIUS)
-            s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket_MN).to(tl.float32)
-        slope_MN = _activation_and_slope(s_MN, ACT)[1]
-        dp_MN = _mm(do_MH, tl.trans(v_NH), IEEE)
-        visible = _pair_mask(offs_m, offs_n, q_len, kv_len, CAUSAL)
-        ds_MN = tl.where(visible, dp_MN * slope_MN, 0.0) * out_scale
-        dq_MH += _mm(ds_MN.to(k_NH.dtype), k_NH, IEEE)
-        if HAS_BIAS:
-            dbias_NB = _accumulate_bias_grad(dbias_NB, ds_MN, bucket_MN, NB_POW2)
+    # Stage 2: stream key tiles.
+    for start_n in range(0, kv_mid, BLOCK_N):
+        dq_MH, dbias_NB = _dq_tile(
+            dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+            stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
+            ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
+        )  # fmt: skip
+    for start_n in range(kv_mid, kv_hi, BLOCK_N):
+        dq_MH, dbias_NB = _dq_tile(
+            dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+            stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
+            ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
+        )  # fmt: skip
     # Stage 3: write dQ = scale·dS K and this program's bias-gradient partial.
     dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
     tl.store(dq_ptrs, (dq_MH * scale).to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
