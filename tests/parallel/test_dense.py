@@ -1,5 +1,6 @@
 """Dense application on one rank: hooks run where the FP8 all-gather plugs in, mixed precision is
-applied, errors are named. (Several ranks: test_dense_multiprocess.py.)"""
+applied, errors are named. (Several ranks, and an FP8 all-gather through the hook:
+test_dense_multiprocess.py; FSDP2 skips the all-gather extension on a one-rank mesh.)"""
 
 import os
 import sys

@@ -24,6 +24,12 @@ from gem_parallel.layout import MeshLayout
 from gem_parallel.meshes import build_meshes, group_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
+from parallel_fp8_weight import (  # noqa: E402
+    FP8GatherWeight,
+    dequantize_rows,
+    fp8_all_gather_hook,
+    quantize_rows,
+)
 from parallel_tiny_model import (  # noqa: E402
     batches,
     make_model,
@@ -85,6 +91,43 @@ def _worker(rank, world, port, layouts, result_dir):
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _fp8_worker(rank, world, port):
+    """Weights all-gathered as row-wise FP8 through ``all_gather_hook`` give the forward of the
+    FP8-rounded weights, and training steps run."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        meshes = build_meshes(MeshLayout(world, 1, world, ep=world), device_type="cpu")
+        rounded = make_model()
+        with torch.no_grad():
+            for block in rounded.layers:
+                for m in block.modules():
+                    if isinstance(m, torch.nn.Linear):
+                        m.weight.copy_(dequantize_rows(*quantize_rows(m.weight), torch.float32))
+        config = DenseParallelConfig(
+            param_dtype=None, reduce_dtype=None, all_gather_hook=fp8_all_gather_hook
+        )
+        model = apply_dense_parallel(make_model(), meshes, config=config)
+        x, y = (t.chunk(world)[rank] for t in batches(world)[0])
+        FP8GatherWeight.gathers = 0
+        out = model(x)
+        assert FP8GatherWeight.gathers == 3  # the two dense blocks and the MoE router
+        torch.testing.assert_close(out, rounded(x), **FP32)
+        opt = make_optimizer(model)
+        for _ in range(2):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert isinstance(model.layers[0].linear.weight.to_local(), FP8GatherWeight)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_fp8_all_gather_through_the_hook():
+    mp.start_processes(_fp8_worker, args=(2, _free_port()), nprocs=2, start_method="fork")
 
 
 def _run(world, layouts, tmp_path):
