@@ -1,14 +1,122 @@
-"""Command line of the reference trainer."""
+"""Command line of the reference trainer.
 
+    gem-train [--config NAME] [--<section>.<field> VALUE ...]       train (default: tiny, CPU)
+    gem-train mfu [--config NAME] [flags]                            Local MFU, layer by layer
+    gem-train plan [--config NAME] [--gpus N]                        parameters and FLOPs (no run)
+
+Every field of the configuration is a flag (``gem-train --help`` lists them with their defaults for
+the chosen config); ``--summary-json PATH`` writes the run's summary. Under ``torchrun`` every rank
+runs the same command.
+"""
+
+import argparse
 import sys
+
+from gem_train.config import (
+    NAMED_CONFIGS,
+    PLAN_ONLY,
+    SHORT_FLAGS,
+    ConfigError,
+    apply_overrides,
+    fields_of,
+    named_config,
+)
+
+COMMANDS = {
+    "train": "train the model (the default command)",
+    "mfu": "measure Local MFU: each layer alone, forward + backward, FLOP-weighted",
+    "plan": "print parameters, FLOPs per sample and the memory the run needs, without running",
+}
+
+
+def _config_name(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return "tiny"
+
+
+def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
+    try:
+        defaults = named_config(config_name)
+    except ConfigError:
+        defaults = named_config("tiny")
+    named = "\n".join(f"  {name:10s} {text}" for name, (text, _) in NAMED_CONFIGS.items())
+    commands = "\n".join(f"  {name:10s} {text}" for name, text in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog=f"gem-train{'' if command == 'train' else ' ' + command}",
+        description=f"gemkit's reference trainer.\n\ncommands:\n{commands}\n\nnamed configs:\n{named}",
+        epilog="Flags override single fields of the named config; defaults shown are the "
+        f"{defaults.name!r} config's.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", default="tiny", help=f"named config: {', '.join(NAMED_CONFIGS)}"
+    )
+    if command == "plan":
+        parser.add_argument("--gpus", type=int, default=1, help="GPUs to plan for")
+    aliases = {v: k for k, v in SHORT_FLAGS.items()}
+    for name, (owner, _, text) in fields_of(defaults).items():
+        if name == "name":
+            continue
+        value = getattr(owner, name.split(".")[-1])
+        flags = [f"--{name}"] + ([f"--{aliases[name]}"] if name in aliases else [])
+        parser.add_argument(
+            *flags,
+            dest=name,
+            default=None,
+            metavar="V",
+            help=f"{text} (default: {value!r})".replace("%", "%%"),
+        )
+    return parser
+
+
+def parse(argv: list[str]):
+    command = argv[0] if argv and argv[0] in COMMANDS else "train"
+    rest = argv[1:] if argv and argv[0] in COMMANDS else argv
+    parser = build_parser(command, _config_name(rest))
+    args = parser.parse_args(rest)
+    try:
+        cfg = named_config(args.config)
+        overrides = {
+            k: v for k, v in vars(args).items() if v is not None and k not in ("config", "gpus")
+        }
+        cfg = apply_overrides(cfg, overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return command, cfg, args
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(
-        "gem-train: the reference trainer is not built yet; see the project's issues.",
-        file=sys.stderr,
-    )
-    return 2
+    command, cfg, args = parse(sys.argv[1:] if argv is None else argv)
+    if command == "plan":
+        from gem_train.mfu import print_plan
+
+        print_plan(cfg, gpus=args.gpus)
+        return 0
+    if cfg.name in PLAN_ONLY:
+        print(
+            f"gem-train: error: config {cfg.name!r} is plan only; run `gem-train plan --config {cfg.name}`",
+            file=sys.stderr,
+        )
+        return 2
+    if command == "mfu":
+        from gem_train.mfu import local_mfu
+
+        local_mfu(cfg)
+        return 0
+    from gem_train.train import train
+
+    summary = train(cfg)
+    if summary and "final_ne" in summary:
+        print(
+            f"done: {summary['steps_this_run']} steps, {summary['samples']} samples, "
+            f"NE {summary['final_ne']:.4f}, AUC {summary['final_auc']:.4f}, "
+            f"{summary['qps']:.0f} QPS, {summary['wall_s']:.1f} s"
+        )
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""Checkpoints: everything a run needs to continue exactly, verified before it is trusted.
+
+A checkpoint is a folder ``step_<8 digits>`` written by ``torch.distributed.checkpoint`` (each rank
+writes its shards in parallel; FSDP-sharded parameters and optimizer state are saved as shards and
+resharded on load) holding
+
+- ``model`` and ``optim``: from ``torch.distributed.checkpoint.state_dict.get_state_dict``;
+- ``train.rank<r>``: per rank, the step, the data stream's position (including the shuffler's
+  state) and the RNG states (torch CPU, CUDA), serialized with ``torch.save`` and loaded with
+  ``weights_only=True``.
+
+Saving goes to ``step_<n>.partial``; when every rank has finished, rank 0 hashes every file into
+``manifest.json`` (size and SHA-256) and renames the folder. So a folder named ``step_<n>`` without a
+manifest, with a file missing or with a file whose size or hash differs, is partial or corrupted:
+``load`` refuses it with a message naming the folder and the file, and never falls back silently
+to something else. ``*.partial`` folders (a save interrupted by a crash) are never considered.
+After each save the newest ``checkpoint.keep`` checkpoints are kept and older ones deleted.
+"""
+
+import hashlib
+import io
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is partial, corrupted or does not fit this run."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Checkpoint folders (``step_<n>``, not ``.partial``), oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+
+
+def verify(path: str | Path) -> dict:
+    """The manifest of a complete, intact checkpoint; ``CheckpointError`` naming what is wrong."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is partial: it has no {MANIFEST}, so its save never finished; "
+            "refusing to load it (delete the folder or resume from another checkpoint)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: unreadable {MANIFEST} ({exc})"
+        ) from None
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is partial: file {name} is missing")
+        size = file.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: file {name} has {size} bytes, "
+                f"the manifest says {expected['size']}"
+            )
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: file {name} does not match its SHA-256 in {MANIFEST}"
+            )
+    return manifest
+
+
+class Checkpointer:
+    def __init__(self, folder: str, *, keep: int):
+        self.folder, self.keep = Path(folder), keep
+
+    def save(self, step: int, model, optimizer, train_state: dict) -> Path:
+        final = self.folder / f"step_{step:08d}"
+        partial = final.with_name(final.name + ".partial")
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        buffer = io.BytesIO()
+        torch.save({**train_state, "rng": rng_state()}, buffer)
+        state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state, checkpoint_id=str(partial))
+        _barrier()
+        if _rank() == 0:
+            files = {
+                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(partial.iterdir())
+                if p.is_file()
+            }
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            manifest = {"step": step, "world_size": world, "files": files}
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            for old in list_checkpoints(self.folder)[: -self.keep]:
+                shutil.rmtree(old)
+        _barrier()
+        return final
+
+    def latest(self) -> Path | None:
+        found = list_checkpoints(self.folder)
+        return found[-1] if found else None
+
+    def load(self, path: str | Path, model, optimizer) -> dict:
+        """Verify, then restore model, optimizer and RNG; returns this rank's train state."""
+        path = Path(path)
+        manifest = verify(path)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if manifest.get("world_size") != world:
+            raise CheckpointError(
+                f"checkpoint {path} was saved by {manifest.get('world_size')} processes; this run "
+                f"has {world} (the data position is per rank)"
+            )
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        buffer = io.BytesIO()
+        state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        buffer = state[f"train.rank{_rank()}"]
+        buffer.seek(0)
+        train_state = torch.load(buffer, weights_only=True)
+        set_rng_state(train_state.pop("rng"))
+        return train_state

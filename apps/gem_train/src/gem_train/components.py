@@ -1,0 +1,124 @@
+"""Everything a training run is made of, built from a ``TrainConfig``.
+
+``build_run(cfg)`` starts the process group under ``torchrun`` (gloo on the CPU, NCCL on CUDA),
+builds the model on every rank from one seed, applies the optimisations from outside the model
+(``gem_train.optimizations``: parallelism, low precision, AutoAC), creates the optimizer and the
+data streams, and returns them in a ``Run``. The training loop (``gem_train.train``) reads like the
+algorithm because all of this lives here.
+"""
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gem_train.checkpoint import Checkpointer
+from gem_train.config import TrainConfig
+from gem_train.data.loader import TrainBatches
+from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
+from gem_train.model import GemModel
+from gem_train.optimizations import apply_optimizations
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    device: torch.device
+    rank: int
+    world: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: TrainBatches
+    eval_source: object
+    checkpointer: Checkpointer | None
+    notes: list[str]
+
+    def autocast(self):
+        if self.cfg.lowprec.autocast_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def set_lr(self, step: int) -> float:
+        o = self.cfg.optim
+        lr = o.lr * min(1.0, (step + 1) / o.warmup_steps) if o.warmup_steps else o.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def clip_gradients(self) -> None:
+        """Clip the dense tower's global gradient norm (sharded or not; embeddings are not clipped)."""
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.dense.parameters(), self.cfg.optim.grad_clip)
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but no CUDA device is available; use --device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
+    """``(rank, world)``; starts the process group when launched by torchrun with several ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_source(cfg: TrainConfig, *, stream: int = 0):
+    if cfg.data.source == "parquet":
+        from gem_train.data.parquet import ParquetSource
+
+        return ParquetSource(cfg.data, cfg.model)
+    return SyntheticStream(cfg.data, cfg.model, stream=stream)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW; weight decay only on matrices of the dense layers (not embeddings, norms, biases)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        embedding = "embeddings" in name.split(".")[0]
+        (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
+    o = cfg.optim
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), foreach=True)
+
+
+def build_run(cfg: TrainConfig) -> Run:
+    device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    rank, world = init_distributed(cfg, device)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = GemModel(cfg.model).to(device)
+    batches = TrainBatches(make_source(cfg), cfg.data, cfg.model, rank=rank, world=world)
+    model, notes = apply_optimizations(
+        model, cfg, device=device, world=world, sample_source=make_source(cfg)
+    )
+    optimizer = build_optimizer(cfg, model)
+    eval_source = make_source(cfg, stream=EVAL_STREAM)
+    checkpointer = (
+        Checkpointer(cfg.checkpoint.folder, keep=cfg.checkpoint.keep)
+        if cfg.checkpoint.folder
+        else None
+    )
+    torch.manual_seed(cfg.seed + 1 + rank)  # the training stream of random numbers, per rank
+    return Run(
+        cfg, device, rank, world, model, optimizer, batches, eval_source, checkpointer, notes
+    )

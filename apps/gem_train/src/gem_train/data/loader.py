@@ -1,0 +1,152 @@
+"""Rank-local training batches: a source's sub-batches, balanced by Base Batch Shuffling.
+
+A *source* (synthetic or Parquet) serves sub-batches by index: ``source.sub_batch(k)`` is a
+``Batch`` of ``data.sub_batch_size`` samples, the same on every call. Rank ``r`` of ``W`` reads
+sub-batches ``r, r + W, r + 2W, ...``. Without shuffling, a local batch is the next
+``batch_size / sub_batch_size`` of them, concatenated. With shuffling (``data.shuffle``, the
+default), ``gem_loadbalance.BaseBatchShuffler`` assembles each local batch from a pool of read-ahead
+samples so that its cost (``a·L + b·L²``, the model's per-token and per-pair FLOPs) lands on a
+target every rank shares, without communication: ranks with long histories take fewer of them.
+
+The stream is resumable: ``state_dict()`` holds the number of batches produced and the shuffler's
+state; ``load_state_dict`` followed by iteration continues with exactly the batches the
+uninterrupted run would have seen.
+"""
+
+import numpy as np
+
+from gem_train.config import DataConfig, ModelConfig
+from gem_train.data.batch import Batch
+from gem_train.data.synthetic import lognormal_lengths
+
+
+class RankSubBatches:
+    """Re-iterable: this rank's sub-batches from index 0, each an iterable of samples."""
+
+    def __init__(self, source, *, rank: int, world: int, start: int = 0):
+        self.source, self.rank, self.world, self.start = source, rank, world, start
+
+    def __iter__(self):
+        k = self.start
+        while True:
+            sub = self.source.sub_batch(k * self.world + self.rank)
+            if sub is None:
+                return
+            yield _SubBatch(sub)
+            k += 1
+
+
+class _SubBatch:
+    """A ``Batch`` seen as samples ``(batch, i)`` for the shuffler (which never looks inside)."""
+
+    def __init__(self, batch: Batch):
+        self.batch = batch
+
+    def __iter__(self):
+        return ((self.batch, i) for i in range(self.batch.num_samples))
+
+    def lengths(self) -> np.ndarray:
+        return self.batch.lengths.numpy()
+
+
+def gather(samples: list[tuple[Batch, int]]) -> Batch:
+    """Samples ``(batch, i)`` → one batch, in the given order (runs of one batch are selected once)."""
+    parts, run_batch, run_index = [], None, []
+    for batch, i in samples:
+        if batch is not run_batch and run_index:
+            parts.append(run_batch.select(run_index))
+            run_index = []
+        run_batch = batch
+        run_index.append(i)
+    if run_index:
+        parts.append(run_batch.select(run_index))
+    return Batch.cat(parts)
+
+
+def cost_coefficients(m: ModelConfig) -> tuple[float, float]:
+    """``(a, b)`` of ``cost = a·L + b·L²``: the model's FLOPs per token and per L² (causal pairs ≈ L²/2)."""
+    d = m.d_model
+    ffn = 2 * 3 * d * m.ffn_hidden if m.ffn == "swiglu" else 2 * 2 * d * m.ffn_hidden * m.top_k
+    per_token = m.n_layers * (2 * 4 * d * d + ffn) + 2 * 4 * d * d  # blocks, PMA/cross K,V
+    per_pair = m.n_layers * 4 * d
+    return float(per_token), float(per_pair) / 2.0
+
+
+class TrainBatches:
+    """Iterator of this rank's local training batches; resumable through ``state_dict``."""
+
+    def __init__(
+        self, source, data: DataConfig, model: ModelConfig, *, rank: int = 0, world: int = 1
+    ):
+        self.source, self.data, self.model = source, data, model
+        self.rank, self.world = rank, world
+        self.produced = 0
+        self.shuffler = self._shuffler() if data.shuffle else None
+        self._iterator = None
+
+    def _shuffler(self):
+        try:
+            from gem_loadbalance import BaseBatchShuffler, expected_sample_cost, sample_cost
+        except ImportError as exc:
+            raise RuntimeError(
+                "data.shuffle=true needs gem_loadbalance.BaseBatchShuffler, which the installed "
+                f"gem_loadbalance lacks ({exc}); run with --data.shuffle false"
+            ) from exc
+        a, b = cost_coefficients(self.model)
+        d = self.data
+        reference_lengths = lognormal_lengths(
+            np.random.default_rng(0),
+            4096,
+            median=d.median_len,
+            sigma=d.sigma,
+            lo=d.min_len,
+            hi=d.max_len,
+        )
+        return BaseBatchShuffler(
+            RankSubBatches(self.source, rank=self.rank, world=self.world),
+            sub_batch_cost=lambda sub: sample_cost(sub.lengths(), a=a, b=b),
+            local_batch_size=d.batch_size,
+            seed=d.seed,
+            expected_cost=expected_sample_cost(reference_lengths, a=a, b=b),
+        )
+
+    def _batches(self):
+        if self.shuffler is not None:
+            for samples in self.shuffler:
+                yield gather(samples)
+            return
+        per_batch = self.data.batch_size // self.data.sub_batch_size
+        start = self.produced * per_batch  # sub-batches are pure functions of their index
+        subs = iter(RankSubBatches(self.source, rank=self.rank, world=self.world, start=start))
+        while True:
+            parts = [s.batch for s in (next(subs, None) for _ in range(per_batch)) if s is not None]
+            if not parts:
+                return
+            yield Batch.cat(parts)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        if self._iterator is None:
+            self._iterator = self._batches()
+        batch = next(self._iterator)
+        self.produced += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        state = {"produced": self.produced}
+        if self.shuffler is not None:
+            state["shuffler"] = self.shuffler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if ("shuffler" in state) != (self.shuffler is not None):
+            raise ValueError(
+                "the checkpoint's data state was saved with data.shuffle="
+                f"{'shuffler' in state} but this run has data.shuffle={self.shuffler is not None}"
+            )
+        self.produced = int(state["produced"])
+        if self.shuffler is not None:
+            self.shuffler.load_state_dict(state["shuffler"])
+        self._iterator = None

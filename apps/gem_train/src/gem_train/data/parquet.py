@@ -1,0 +1,177 @@
+"""A Parquet source of training samples, one row per (user history, candidate ad) impression.
+
+Schema (every column required; ids are non-negative and below the model's vocabulary sizes):
+
+| column | Arrow type | meaning |
+|---|---|---|
+| ``user_id`` | int64 | the user |
+| ``item_ids`` | list<int64> | history items, oldest first |
+| ``action_ids`` | list<int64> | action type of each history event |
+| ``category_ids`` | list<int64> | category of each history item |
+| ``event_timestamps`` | list<int64> | seconds since the epoch of each history event |
+| ``request_timestamp`` | int64 | when the candidate was shown; event age = request − event |
+| ``user_segments`` | list<int64> | the user's segments (may be empty) |
+| ``ad_id``, ``ad_category``, ``advertiser_id`` | int64 | the candidate ad |
+| ``click``, ``conversion`` | int8 | labels, 0 or 1 |
+
+The four history lists of a row must have equal lengths (zero is allowed). Event ages become time
+buckets with ``data.batch.time_bucket_of``. The source is a file or a folder of ``*.parquet``
+files (sorted by name); rows are served in order, sub-batch ``k`` holding rows ``k·s ... k·s + s −
+1`` counted modulo the row count, so epochs follow each other without dropping a row. Row groups
+are read on demand (the last one read stays cached). ``write_example`` writes synthetic rows in
+this schema: the small generated example the tests read.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gem_train.config import DataConfig, ModelConfig
+from gem_train.data.batch import Batch, offsets_of, time_bucket_of
+from gem_train.data.synthetic import SyntheticStream, _to_batch
+
+LIST_COLUMNS = ("item_ids", "action_ids", "category_ids", "event_timestamps", "user_segments")
+SCALAR_COLUMNS = ("user_id", "request_timestamp", "ad_id", "ad_category", "advertiser_id")
+LABEL_COLUMNS = ("click", "conversion")
+SCHEMA = pa.schema(
+    [(c, pa.int64()) for c in ("user_id",)]
+    + [(c, pa.list_(pa.int64())) for c in LIST_COLUMNS]
+    + [(c, pa.int64()) for c in SCALAR_COLUMNS[1:]]
+    + [(c, pa.int8()) for c in LABEL_COLUMNS]
+)
+
+
+def _files(path: str) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"data.path {path!r} is a folder without *.parquet files")
+        return files
+    if not p.exists():
+        raise FileNotFoundError(f"data.path {path!r} does not exist")
+    return [p]
+
+
+def _check_schema(file: Path, schema: pa.Schema) -> None:
+    for expected in SCHEMA:
+        if expected.name not in schema.names:
+            raise ValueError(f"{file}: column {expected.name!r} ({expected.type}) is missing")
+        got = schema.field(expected.name).type
+        if got != expected.type:
+            raise ValueError(f"{file}: column {expected.name!r} must be {expected.type}, got {got}")
+
+
+class ParquetSource:
+    def __init__(self, data: DataConfig, model: ModelConfig):
+        self.data, self.model = data, model
+        self.groups = []  # (file, row group, first row, rows)
+        first = 0
+        for file in _files(data.path):
+            meta = pq.ParquetFile(file)
+            _check_schema(file, meta.schema_arrow)
+            for g in range(meta.num_row_groups):
+                rows = meta.metadata.row_group(g).num_rows
+                self.groups.append((file, g, first, rows))
+                first += rows
+        self.num_rows = first
+        if self.num_rows == 0:
+            raise ValueError(f"data.path {data.path!r} holds no rows")
+        self._cached = (None, None)
+
+    def _group(self, index: int) -> pa.Table:
+        if self._cached[0] != index:
+            file, g, _, _ = self.groups[index]
+            self._cached = (index, pq.ParquetFile(file).read_row_group(g, columns=SCHEMA.names))
+        return self._cached[1]
+
+    def _rows(self, rows: np.ndarray) -> pa.Table:
+        starts = np.array([g[2] for g in self.groups])
+        which = np.searchsorted(starts, rows, side="right") - 1
+        pieces = []
+        for gi in np.unique(which):
+            take = rows[which == gi] - starts[gi]
+            pieces.append(self._group(int(gi)).take(pa.array(take)))
+        return pa.concat_tables(pieces)
+
+    def sub_batch(self, index: int) -> Batch:
+        size = self.data.sub_batch_size
+        rows = (np.arange(index * size, (index + 1) * size) % self.num_rows).astype(np.int64)
+        # Keep the order of ``rows`` when they span row groups (``_rows`` groups them).
+        table = self._rows(np.sort(rows))
+        order = np.argsort(np.argsort(rows, kind="stable"), kind="stable")
+        return self._to_batch(table.take(pa.array(order)), first_row=int(rows[0]))
+
+    def _to_batch(self, table: pa.Table, *, first_row: int) -> Batch:
+        m = self.model
+        col = {c: table.column(c).combine_chunks() for c in SCHEMA.names}
+        lists = {c: col[c].values.to_numpy() for c in LIST_COLUMNS}
+        lengths = {c: np.diff(col[c].offsets.to_numpy()) for c in LIST_COLUMNS}
+        for c in ("action_ids", "category_ids", "event_timestamps"):
+            bad = np.flatnonzero(lengths[c] != lengths["item_ids"])
+            if bad.size:
+                raise ValueError(
+                    f"row {first_row + int(bad[0])}: {c} has {lengths[c][bad[0]]} entries but "
+                    f"item_ids has {lengths['item_ids'][bad[0]]}; the history lists must match"
+                )
+        scalars = {c: col[c].to_numpy() for c in SCALAR_COLUMNS + LABEL_COLUMNS}
+        owner = np.repeat(np.arange(table.num_rows), lengths["item_ids"])
+        age = scalars["request_timestamp"][owner] - lists["event_timestamps"]
+        limits = {
+            "item_ids": m.item_vocab, "action_ids": m.action_vocab, "category_ids": m.category_vocab,
+            "user_segments": m.segment_vocab, "user_id": m.user_vocab, "ad_id": m.item_vocab,
+            "ad_category": m.category_vocab, "advertiser_id": m.advertiser_vocab,
+        }  # fmt: skip
+        for c, limit in limits.items():
+            values = lists[c] if c in lists else scalars[c]
+            if values.size and (values.min() < 0 or values.max() >= limit):
+                raise ValueError(f"{c} holds ids outside [0, {limit}) near row {first_row}: "
+                                 f"min {values.min()}, max {values.max()}")  # fmt: skip
+        for c in LABEL_COLUMNS:
+            if not np.isin(scalars[c], (0, 1)).all():
+                raise ValueError(f"{c} must be 0 or 1 near row {first_row}")
+        return _to_batch(
+            offsets=offsets_of(lengths["item_ids"]), item=lists["item_ids"], action=lists["action_ids"],
+            category=lists["category_ids"], time_bucket=time_bucket_of(age, m.time_buckets),
+            user=scalars["user_id"], segments=lists["user_segments"],
+            segment_offsets=offsets_of(lengths["user_segments"]), ad=scalars["ad_id"],
+            ad_category=scalars["ad_category"], advertiser=scalars["advertiser_id"],
+            click=scalars["click"], conversion=scalars["conversion"],
+        )  # fmt: skip
+
+
+def write_example(
+    path: str, data: DataConfig, model: ModelConfig, *, rows: int, row_group_rows: int = 64
+) -> None:
+    """Write ``rows`` synthetic impressions in the schema above (ages ``2^bucket − 1`` seconds)."""
+    batch = SyntheticStream(data, model).batch(0, batch_size=rows)
+    request = 1_764_000_000 + np.arange(rows, dtype=np.int64) * 60
+    owner = np.repeat(np.arange(rows), batch.lengths.numpy())
+    events = request[owner] - (2 ** batch.time_bucket.numpy() - 1)
+
+    def split(values, offsets):
+        offsets = offsets.numpy() if hasattr(offsets, "numpy") else offsets
+        return pa.ListArray.from_arrays(
+            pa.array(offsets, pa.int32()), pa.array(np.asarray(values), pa.int64())
+        )
+
+    table = pa.table(
+        {
+            "user_id": batch.user.numpy(),
+            "item_ids": split(batch.item.numpy(), batch.offsets),
+            "action_ids": split(batch.action.numpy(), batch.offsets),
+            "category_ids": split(batch.category.numpy(), batch.offsets),
+            "event_timestamps": split(events, batch.offsets),
+            "user_segments": split(batch.segments.numpy(), batch.segment_offsets),
+            "request_timestamp": request,
+            "ad_id": batch.ad.numpy(),
+            "ad_category": batch.ad_category.numpy(),
+            "advertiser_id": batch.advertiser.numpy(),
+            "click": batch.click.numpy().astype(np.int8),
+            "conversion": batch.conversion.numpy().astype(np.int8),
+        },
+        schema=SCHEMA,
+    )
+    pq.write_table(table, path, row_group_size=row_group_rows)

@@ -1,0 +1,205 @@
+"""The model's three attentions over the jagged history, each in a jagged and a padded form.
+
+- ``HistorySelfAttention``: causal softmax attention of the history over itself with a learned
+  relative-position bias (``gem_jagged.jagged_flash_attention``), or BlockAttention with RoPE for
+  long histories (``gem_jagged.block_attention``, no bias: RoPE carries position).
+- ``PMAPooling``: ``S`` learned seeds attend over each history with GDPA (SiLU in place of
+  softmax; ``gem_jagged.gdpa(..., broadcast_q=True)``), giving ``S`` pooled vectors per sample.
+- ``CandidateCrossAttention``: the candidate ad's tokens attend over the history with GDPA.
+
+The ``padded`` form is what the model looks like built from PyTorch-native pieces: pad every
+history to the batch's longest, then ``scaled_dot_product_attention`` with an additive mask (the
+causal mask plus the relative bias), or the GDPA formula on padded tensors. It computes the same
+function (tests compare the two) and is the baseline of the benchmark's ablation. ``gem_jagged``
+picks its reference backend on CPU tensors and its Triton kernels on CUDA.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _jagged():
+    try:
+        import gem_jagged
+
+        return gem_jagged
+    except ImportError as exc:  # pragma: no cover - gem_jagged is a declared dependency
+        raise RuntimeError("attention 'jagged' needs the gem_jagged package") from exc
+
+
+def _op(name: str):
+    """A public gem_jagged op, or a clear error if this build of gem_jagged lacks it."""
+    try:
+        return getattr(_jagged(), name)
+    except (AttributeError, ImportError) as exc:
+        raise RuntimeError(
+            f"gem_jagged.{name} is not available in the installed gem_jagged ({exc}); "
+            "use the padded attention instead (model.attention=padded / model.pooling_attention=padded)"
+        ) from exc
+
+
+def pad(
+    x_TD: torch.Tensor, offsets: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged ``[T, ...]`` → padded ``[B, max_len, ...]`` (zeros) and the validity mask ``[B, L]``."""
+    lengths = offsets[1:] - offsets[:-1]
+    batch = lengths.numel()
+    valid_BL = torch.arange(max_len, device=x_TD.device)[None, :] < lengths[:, None]
+    out = x_TD.new_zeros(batch, max_len, *x_TD.shape[1:])
+    out[valid_BL] = x_TD
+    return out, valid_BL
+
+
+def rel_bias_matrix(rel_bias_NR: torch.Tensor, length: int) -> torch.Tensor:
+    """``[N, L, L]``: ``rel_bias[n, clamp(j − i, −R, R) + R]``."""
+    radius = (rel_bias_NR.shape[1] - 1) // 2
+    pos = torch.arange(length, device=rel_bias_NR.device)
+    bucket = (pos[None, :] - pos[:, None]).clamp(-radius, radius) + radius
+    return rel_bias_NR[:, bucket]
+
+
+class HistorySelfAttention(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        kind: str,
+        rel_bias_radius: int,
+        block_size: int,
+        rope_theta: float,
+    ):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.kind, self.block_size, self.rope_theta = kind, block_size, rope_theta
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.rel_bias = (
+            nn.Parameter(torch.zeros(n_heads, 2 * rel_bias_radius + 1)) if kind != "block" else None
+        )
+
+    def forward(self, x_TD: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        total = x_TD.shape[0]
+        q, k, v = self.qkv(x_TD).view(total, 3, self.n_heads, self.head_dim).unbind(1)
+        if self.kind == "jagged":
+            o = _op("jagged_flash_attention")(
+                q,
+                k,
+                v,
+                offsets,
+                causal=True,
+                rel_bias=self.rel_bias,
+                max_q_len=max_len,
+                max_kv_len=max_len,
+            )
+        elif self.kind == "block":
+            o = _op("block_attention")(
+                q,
+                k,
+                v,
+                offsets,
+                block_size=self.block_size,
+                causal=True,
+                rope_theta=self.rope_theta,
+            )
+        else:
+            o = self._padded(q, k, v, offsets, max_len)
+        return self.out(o.reshape(total, -1))
+
+    def _padded(self, q, k, v, offsets, max_len):
+        (q_B, valid_BL), (k_B, _), (v_B, _) = (pad(t, offsets, max_len) for t in (q, k, v))
+        causal_LL = torch.ones(max_len, max_len, dtype=torch.bool, device=q.device).tril()
+        mask = torch.zeros(max_len, max_len, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(~causal_LL, float("-inf"))
+        if self.rel_bias is not None:
+            mask = mask + rel_bias_matrix(self.rel_bias, max_len).to(q.dtype)
+        # Padding sits after the real tokens, so with the causal mask no real query sees a pad key.
+        o_BNLH = F.scaled_dot_product_attention(
+            q_B.transpose(1, 2), k_B.transpose(1, 2), v_B.transpose(1, 2), attn_mask=mask[None]
+        )
+        return o_BNLH.transpose(1, 2)[valid_BL]
+
+
+def padded_gdpa(q_B, k_B, v_B, valid_q_BL, valid_k_BL, *, activation: str, scale: float):
+    """GDPA on padded ``[B, L, N, H]`` tensors: ``(act(scale·QKᵀ) ⊙ mask) V``."""
+    scores = torch.einsum("bqnh,bknh->bnqk", q_B, k_B) * scale
+    act = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid}[activation]
+    mask = (valid_q_BL[:, None, :, None] & valid_k_BL[:, None, None, :]).to(scores.dtype)
+    return torch.einsum("bnqk,bknh->bqnh", act(scores) * mask, v_B)
+
+
+class PMAPooling(nn.Module):
+    """``S`` learned seeds attend over each history (GDPA, SiLU): ``[T, D]`` → ``[B, S, D]``."""
+
+    def __init__(self, d_model: int, n_heads: int, seeds: int, *, kind: str):
+        super().__init__()
+        self.n_heads, self.head_dim, self.seeds, self.kind = (
+            n_heads,
+            d_model // n_heads,
+            seeds,
+            kind,
+        )
+        self.seed_q = nn.Parameter(torch.randn(seeds, n_heads, self.head_dim) * 0.02)
+        self.kv = nn.Linear(d_model, 2 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.norm = nn.RMSNorm(d_model)
+
+    def forward(self, x_TD, offsets, max_len):
+        k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
+        batch = offsets.numel() - 1
+        q = self.seed_q.to(k.dtype)
+        if self.kind == "jagged":
+            o = _op("gdpa")(q, k, v, offsets, offsets, activation="silu", broadcast_q=True)
+        else:
+            (k_B, valid_BL), (v_B, _) = pad(k, offsets, max_len), pad(v, offsets, max_len)
+            q_B = q[None].expand(batch, -1, -1, -1)
+            valid_q = torch.ones(batch, self.seeds, dtype=torch.bool, device=q.device)
+            o = padded_gdpa(
+                q_B,
+                k_B,
+                v_B,
+                valid_q,
+                valid_BL,
+                activation="silu",
+                scale=1 / math.sqrt(self.head_dim),
+            )
+        # GDPA sums over the history without normalising; the norm keeps long and short histories
+        # on one scale.
+        return self.norm(self.out(o.reshape(batch, self.seeds, -1)))
+
+
+class CandidateCrossAttention(nn.Module):
+    """The candidate's ``C`` tokens attend over the history (GDPA, SiLU): → ``[B, C, D]``."""
+
+    def __init__(self, d_model: int, n_heads: int, *, kind: str):
+        super().__init__()
+        self.n_heads, self.head_dim, self.kind = n_heads, d_model // n_heads, kind
+        self.q = nn.Linear(d_model, d_model, bias=False)
+        self.kv = nn.Linear(d_model, 2 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.norm = nn.RMSNorm(d_model)
+
+    def forward(self, cand_BCD, x_TD, offsets, max_len):
+        batch, tokens, d = cand_BCD.shape
+        q = self.q(cand_BCD).view(batch * tokens, self.n_heads, self.head_dim)
+        k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
+        if self.kind == "jagged":
+            q_offsets = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * tokens
+            o = _op("gdpa")(q, k, v, q_offsets, offsets, activation="silu")
+        else:
+            (k_B, valid_BL), (v_B, _) = pad(k, offsets, max_len), pad(v, offsets, max_len)
+            q_B = q.view(batch, tokens, self.n_heads, self.head_dim)
+            valid_q = torch.ones(batch, tokens, dtype=torch.bool, device=q.device)
+            o = padded_gdpa(
+                q_B,
+                k_B,
+                v_B,
+                valid_q,
+                valid_BL,
+                activation="silu",
+                scale=1 / math.sqrt(self.head_dim),
+            )
+        return self.norm(self.out(o.reshape(batch, tokens, d)))

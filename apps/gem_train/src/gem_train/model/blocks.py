@@ -1,0 +1,56 @@
+"""The sequence tower's block and its feed-forwards.
+
+``Block``: pre-norm residual layer ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` over the
+jagged history tokens ``[T, D]``. The feed-forward is a SwiGLU MLP (``W2 (silu(W1 x) ⊙ W3 x)``) or a
+mixture of experts (``gem_parallel.moe.MoE``: softmax router, token-choice top-k, SiLU experts
+stored as batched ``[E, D, F]`` weights). Expert parallelism is applied from outside by
+``gem_parallel.apply_dense_parallel``, which finds every such layer; built alone, the layer runs
+all experts locally.
+"""
+
+import torch
+import torch.nn.functional as F
+from gem_parallel.moe import MoE, MoEConfig
+from torch import nn
+
+from gem_train.config import ModelConfig
+from gem_train.model.attention import HistorySelfAttention
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(m.d_model)
+        self.attn = HistorySelfAttention(
+            m.d_model, m.n_heads, kind=m.attention, rel_bias_radius=m.rel_bias_radius,
+            block_size=m.block_size, rope_theta=m.rope_theta,
+        )  # fmt: skip
+        self.ffn_norm = nn.RMSNorm(m.d_model)
+        self.ffn = (
+            SwiGLU(m.d_model, m.ffn_hidden)
+            if m.ffn == "swiglu"
+            else MoE(
+                MoEConfig(
+                    m.d_model,
+                    m.ffn_hidden,
+                    m.n_experts,
+                    top_k=m.top_k,
+                    capacity_factor=m.moe_capacity_factor or None,
+                )
+            )  # fmt: skip
+        )
+
+    def forward(self, x_TD: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        x_TD = x_TD + self.attn(self.attn_norm(x_TD), offsets, max_len)
+        return x_TD + self.ffn(self.ffn_norm(x_TD))

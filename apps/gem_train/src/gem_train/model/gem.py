@@ -1,0 +1,155 @@
+"""A GEM-like ranking model: a jagged user-history tower, pooling, interaction, two task heads.
+
+Reading ``forward`` top to bottom:
+
+1. **Embeddings.** History events (item, action, category, time bucket) become one vector per
+   token, concatenated and projected to ``d_model``. The candidate ad's three features (ad,
+   ad category, advertiser) become three tokens projected likewise. User id and segments are
+   pooled bags.
+2. **Sequence tower.** ``n_layers`` pre-norm blocks of jagged causal self-attention with a
+   relative bias (or BlockAttention) and a SwiGLU or MoE feed-forward; the history is never
+   padded unless ``model.attention=padded``.
+3. **Pooling.** PMA: ``S`` learned seeds attend over the final history with GDPA; and the
+   candidate's tokens cross-attend to the history with GDPA, which is where the model can tell
+   whether this ad matches what the user has been doing.
+4. **Interaction.** Everything is concatenated, projected, and crossed by DCN-v2 layers
+   (``x_{l+1} = x_0 ⊙ (W_l x_l + b_l) + x_l``), then an MLP.
+5. **Heads.** CTR and CVR logits, trained with binary cross-entropy on click and conversion.
+
+The model holds no parallelism: ``gem_parallel`` shards it from outside.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_train.config import ModelConfig
+from gem_train.data.batch import CANDIDATE_FEATURES, SEQUENCE_FEATURES, Batch
+from gem_train.model.attention import CandidateCrossAttention, PMAPooling
+from gem_train.model.blocks import Block
+from gem_train.model.embeddings import build_embeddings, lookup
+
+TASKS = ("ctr", "cvr")
+LABEL_OF = {"ctr": "click", "cvr": "conversion"}
+
+
+class CrossLayer(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x0, x):
+        return x0 * self.linear(x) + x
+
+
+class InputProjection(nn.Module):
+    """History tokens ``[T, 4E]`` → ``[T, D]``; candidate tokens ``[B, C, E]`` → ``[B, C, D]``."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.tokens = nn.Linear(len(SEQUENCE_FEATURES) * m.emb_dim, m.d_model)
+        self.candidate = nn.Linear(m.emb_dim, m.d_model)
+
+    def forward(self, tokens_TF, candidate_BCE):
+        return self.tokens(tokens_TF), self.candidate(candidate_BCE)
+
+
+class Interaction(nn.Module):
+    """Concatenated features → DCN-v2 cross layers → MLP → one logit per task."""
+
+    def __init__(self, m: ModelConfig, in_features: int):
+        super().__init__()
+        self.project = nn.Linear(in_features, m.mlp_hidden)
+        self.crosses = nn.ModuleList(CrossLayer(m.mlp_hidden) for _ in range(m.interaction_layers))
+        self.mlp = nn.Sequential(nn.Linear(m.mlp_hidden, m.mlp_hidden), nn.SiLU())
+        self.heads = nn.ModuleDict({task: nn.Linear(m.mlp_hidden, 1) for task in TASKS})
+
+    def forward(self, features_BF):
+        x0 = h = self.project(features_BF)
+        for layer in self.crosses:
+            h = layer(x0, h)
+        h = self.mlp(h)
+        return {task: head(h).squeeze(-1) for task, head in self.heads.items()}
+
+
+class DenseTower(nn.Module):
+    """Everything after the embedding lookups; what FSDP shards and AutoAC plans."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        d, e, n_cand = m.d_model, m.emb_dim, len(CANDIDATE_FEATURES)
+        self.inputs = InputProjection(m)
+        self.blocks = nn.ModuleList(Block(m) for _ in range(m.n_layers))
+        self.final_norm = nn.RMSNorm(d)
+        self.pma = PMAPooling(d, m.n_heads, m.pma_seeds, kind=m.pooling_attention)
+        self.cross = CandidateCrossAttention(d, m.n_heads, kind=m.pooling_attention)
+        self.interaction = Interaction(m, m.pma_seeds * d + n_cand * d + n_cand * e + 2 * e)
+
+    def forward(self, seq: dict, pooled: dict, offsets: torch.Tensor, max_len: int):
+        history = torch.cat([seq[f] for f in SEQUENCE_FEATURES], dim=-1)  # [T, 4E]
+        candidate = torch.stack([seq[f] for f in CANDIDATE_FEATURES], dim=1)  # [B, C, E]
+        x, cand = self.inputs(history, candidate)
+        for block in self.blocks:
+            x = block(x, offsets, max_len)
+        x = self.final_norm(x)
+        pma = self.pma(x, offsets, max_len)  # [B, S, D]
+        cross = self.cross(cand, x, offsets, max_len)  # [B, C, D]
+        features = torch.cat(
+            [
+                pma.flatten(1),
+                cross.flatten(1),
+                candidate.flatten(1),
+                pooled["user"],
+                pooled["segments"],
+            ],
+            dim=-1,
+        )
+        return self.interaction(features)
+
+
+class GemModel(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.config = m
+        self.sequence_embeddings, self.pooled_embeddings, self.embedding_backend = build_embeddings(
+            m
+        )
+        self.dense = DenseTower(m)
+
+    def embed(self, batch: Batch) -> tuple[dict, dict]:
+        """``({feature: [T or B, E]}, {"user": [B, E], "segments": [B, E]})``."""
+        per_sample = torch.arange(batch.num_samples + 1, device=batch.offsets.device)
+        seq = lookup(
+            self.sequence_embeddings,
+            self.embedding_backend,
+            {f: (getattr(batch, f), batch.offsets) for f in SEQUENCE_FEATURES}
+            | {f: (getattr(batch, f), per_sample) for f in CANDIDATE_FEATURES},
+            pooled=False,
+        )
+        pooled = lookup(
+            self.pooled_embeddings,
+            self.embedding_backend,
+            {"user": (batch.user, per_sample), "segments": (batch.segments, batch.segment_offsets)},
+            pooled=True,
+        )
+        return seq, pooled
+
+    def forward(self, batch: Batch, max_len: int | None = None) -> dict[str, torch.Tensor]:
+        """Logits ``{"ctr": [B], "cvr": [B]}``. ``max_len`` (the longest history) saves a sync."""
+        if max_len is None:
+            max_len = int(batch.lengths.max()) if batch.num_samples else 0
+        seq, pooled = self.embed(batch)
+        return self.dense(seq, pooled, batch.offsets, max_len)
+
+
+def loss_of(
+    logits: dict[str, torch.Tensor], batch: Batch
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of the tasks' mean BCE losses, and each task's loss (detached)."""
+    per_task = {
+        task: F.binary_cross_entropy_with_logits(
+            logits[task].float(), getattr(batch, LABEL_OF[task])
+        )
+        for task in TASKS
+    }
+    return sum(per_task.values()), {t: v.detach() for t, v in per_task.items()}

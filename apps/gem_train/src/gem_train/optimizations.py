@@ -1,0 +1,141 @@
+"""The optimisations, applied to a built model from outside, each switched by one flag.
+
+In the order they must happen (torchtitan's order: numerics, then memory, then compile, then
+sharding, since each later step wraps what the earlier ones produced):
+
+1. **Low precision** (``lowprec.recipe``): ``gem_lowprec.convert`` swaps the dense tower's linear
+   layers for low-precision ones (MXFP8, FP8 row-wise, or BF16). Embeddings, the task heads and
+   the interaction's first projection stay in full precision (the first and last layers are the
+   most sensitive, as in every FP8 recipe).
+2. **AutoAC** (``memory.autoac``): ``gem_memory.plan_checkpointing`` profiles the blocks and
+   pooling layers on a real batch and picks a checkpointing policy per region under the budget.
+3. **torch.compile** (``compile``): each block is compiled on its own.
+4. **Parallelism** (under torchrun with several processes): embeddings are sharded by
+   ``gem_parallel.shard_embeddings`` over all ranks, the dense tower by
+   ``gem_parallel.apply_dense_parallel`` (FSDP2, every block and pooling layer its own unit).
+
+A flag asking for a package that is not installed fails here with a message naming the flag and
+the missing piece; nothing falls back silently.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gem_train.config import TrainConfig
+from gem_train.model import loss_of
+
+KEEP_FULL_PRECISION = ("interaction.project", "interaction.heads")
+
+
+def _missing(flag: str, what: str, exc: Exception) -> RuntimeError:
+    return RuntimeError(f"{flag} needs {what}, which is not available here ({exc}); switch it off")
+
+
+def apply_lowprec(model: nn.Module, recipe: str) -> str:
+    try:
+        from gem_lowprec import convert
+    except (ImportError, AttributeError) as exc:
+        raise _missing(f"lowprec.recipe={recipe}", "gem_lowprec.convert", exc) from exc
+    convert(model.dense, recipe, skip=lambda name, module: name.startswith(KEEP_FULL_PRECISION))
+    return f"low precision: dense linears in {recipe}"
+
+
+def region_names(model: nn.Module) -> list[str]:
+    """AutoAC regions: every block and both pooling attentions."""
+    return [f"dense.blocks.{i}" for i in range(len(model.dense.blocks))] + [
+        "dense.pma",
+        "dense.cross",
+    ]
+
+
+def apply_autoac(model: nn.Module, cfg: TrainConfig, device: torch.device, sample_source) -> str:
+    try:
+        from gem_memory import plan_checkpointing
+    except (ImportError, AttributeError) as exc:
+        raise _missing("memory.autoac=true", "gem_memory.plan_checkpointing", exc) from exc
+    batch = sample_source.sub_batch(0)
+    per_batch = cfg.data.batch_size // cfg.data.sub_batch_size
+    batch = type(batch).cat([sample_source.sub_batch(k) for k in range(per_batch)]).to(device)
+    max_len = int(batch.lengths.max())
+    if cfg.memory.budget_gib > 0:
+        budget = int(cfg.memory.budget_gib * 2**30)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(0.6 * free) + torch.cuda.memory_allocated(device)
+    else:
+        raise RuntimeError("memory.autoac=true on the CPU needs an explicit memory.budget_gib")
+    with _autocast(cfg, device):
+        plan = plan_checkpointing(
+            model, (batch, max_len), budget_bytes=budget, regions=region_names(model),
+            loss_fn=lambda logits: loss_of(logits, batch)[0],
+        )  # fmt: skip
+    plan.apply(model)
+    chosen = ", ".join(f"{name.removeprefix('dense.')}={p}" for name, p in plan.policies.items())
+    return f"AutoAC under {budget / 2**30:.1f} GiB: {chosen}"
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.lowprec.autocast_bf16)
+
+
+def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> str:
+    try:
+        from gem_parallel.dense import DenseParallelConfig, apply_dense_parallel
+        from gem_parallel.embeddings import shard_embeddings
+        from gem_parallel.layout import MeshLayout
+        from gem_parallel.meshes import build_meshes
+    except ImportError as exc:
+        raise _missing(
+            "running under torchrun with parallel.dense=fsdp", "gem_parallel", exc
+        ) from exc
+    world = dist.get_world_size()
+    meshes = build_meshes(
+        MeshLayout(world=world, dp_replicate=1, dp_shard=world), device_type=device.type
+    )
+    backend = cfg.parallel.embeddings
+    if backend == "auto":
+        backend = (
+            "torchrec"
+            if model.embedding_backend == "torchrec" and device.type == "cuda"
+            else "native"
+        )
+    model.sequence_embeddings = shard_embeddings(
+        model.sequence_embeddings, backend=backend, mesh=meshes.sparse, device=device
+    )
+    model.pooled_embeddings = shard_embeddings(
+        model.pooled_embeddings, backend=backend, mesh=meshes.sparse, device=device
+    )
+    if backend == "native":
+        model.embedding_backend = "native"  # the sharded tables take gem_parallel's KeyedJagged
+    dense = model.dense
+    param_dtype = torch.bfloat16 if cfg.lowprec.autocast_bf16 else None
+    apply_dense_parallel(
+        dense, meshes, blocks=[*dense.blocks, dense.pma, dense.cross],
+        config=DenseParallelConfig(param_dtype=param_dtype),
+    )  # fmt: skip
+    return f"parallel: {world} ranks, embeddings sharded ({backend}), dense tower FSDP2"
+
+
+def apply_optimizations(
+    model: nn.Module, cfg: TrainConfig, *, device: torch.device, world: int, sample_source
+):
+    """Apply what ``cfg`` switches on; returns the model and one line per optimisation applied."""
+    notes = []
+    if cfg.lowprec.recipe != "none":
+        notes.append(apply_lowprec(model, cfg.lowprec.recipe))
+    if cfg.memory.autoac:
+        notes.append(apply_autoac(model, cfg, device, sample_source))
+    if cfg.compile:
+        for block in model.dense.blocks:
+            block.compile()
+        notes.append("torch.compile: every block")
+    dense = cfg.parallel.dense
+    if world > 1 and dense in ("auto", "fsdp"):
+        notes.append(apply_parallel(model, cfg, device))
+    elif world > 1:
+        raise RuntimeError(
+            f"parallel.dense=none with {world} processes would train {world} diverging copies; "
+            "use parallel.dense=fsdp (or auto) under torchrun"
+        )
+    return model, notes

@@ -1,0 +1,177 @@
+"""What a run tells its user: a rich progress bar, log lines, TensorBoard, and the JSON summary.
+
+Every step hands the ``Reporter`` its logits, batch and loss as device tensors; nothing is copied
+to the host until the end of a logging window (``metrics.log_every`` steps), so the GPU is never
+stalled mid-window. At the end of a window the reporter computes, over the window and over all
+ranks: loss, NE and AUC per task, QPS (samples per second, all ranks), the padding fraction a padded
+implementation would waste, the rank imbalance (the slowest rank's cost over the mean, costed as
+the load balancer does), E2E MFU, and peak memory. Throughput in the summary excludes the first
+``min(10, steps // 10)`` steps (compilation, allocator and cache warm-up).
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gem_train.data.loader import cost_coefficients
+from gem_train.metrics import Window, batch_flops, peak_flops, peak_memory_bytes
+
+
+def _all_reduce(values: list[float], op) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op)
+    return t.cpu().tolist()
+
+
+class Reporter:
+    def __init__(self, run, *, start_step: int, t_start: float):
+        self.run, self.cfg = run, run.cfg
+        self.is_main = run.rank == 0
+        self.peak = peak_flops(run.device, self.cfg.metrics.peak_tflops)
+        self.cost_a, self.cost_b = cost_coefficients(self.cfg.model)
+        self.start_step, self.warmup = start_step, min(10, (self.cfg.steps - start_step) // 10)
+        self.losses: list[float] = []
+        self.history: list[dict] = []
+        self._pending_losses: list[torch.Tensor] = []
+        self.window, self.window_cost = Window(), 0.0
+        self.steady = {"samples": 0.0, "flops": 0.0, "seconds": 0.0}
+        self.t_start, self.t_window, self.samples = t_start, time.perf_counter(), 0
+        self.writer = self._writer()
+        self.progress = self._progress()
+
+    def _writer(self):
+        if not (self.is_main and self.cfg.metrics.tensorboard):
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(self.cfg.metrics.tensorboard)
+
+    def _progress(self):
+        if not (self.is_main and self.cfg.metrics.progress):
+            return None
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+        )  # fmt: skip
+        progress.start()
+        self.task = progress.add_task(
+            f"gem-train {self.cfg.name}", total=self.cfg.steps, completed=self.start_step, status=""
+        )
+        return progress
+
+    def print(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def step(
+        self, step: int, logits: dict, batch, loss: torch.Tensor, lengths, max_len: int
+    ) -> None:
+        labels = {"ctr": batch.click, "cvr": batch.conversion}
+        self._pending_losses.append(loss.detach())
+        self.samples += batch.num_samples
+        self.window.add(
+            logits, labels, tokens=int(lengths.sum()), padded_tokens=len(lengths) * max_len,
+            flops=batch_flops(self.cfg.model, lengths),
+        )  # fmt: skip
+        self.window_cost += float((self.cost_a * lengths + self.cost_b * lengths**2).sum())
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1)
+        done = step + 1
+        if done == self.start_step + self.warmup and self.warmup > 0:
+            self._close_window(step, report=False)  # the warm-up window is not timed
+        elif done % self.cfg.metrics.log_every == 0 or done == self.cfg.steps:
+            self._close_window(step, report=True)
+
+    def _close_window(self, step: int, *, report: bool) -> None:
+        if self.run.device.type == "cuda":
+            torch.cuda.synchronize(self.run.device)
+        now = time.perf_counter()
+        seconds, self.t_window = now - self.t_window, now
+        losses = torch.stack(self._pending_losses).float().cpu().tolist()
+        self._pending_losses = []
+        self.losses.extend(losses)
+        w, self.window = self.window, Window()
+        w.losses = losses
+        samples, flops, cost_sum, cost_max = _all_reduce(
+            [w.samples, w.flops, self.window_cost, self.window_cost], dist.ReduceOp.SUM
+        )[:3] + _all_reduce([self.window_cost], dist.ReduceOp.MAX)
+        self.window_cost = 0.0
+        if not report:
+            return
+        self.steady["samples"] += samples
+        self.steady["flops"] += flops
+        self.steady["seconds"] += seconds
+        world = self.run.world
+        row = {
+            "step": step + 1,
+            **w.quality(),
+            "qps": samples / seconds,
+            "lr": self.run.optimizer.param_groups[0]["lr"],
+        }
+        row["rank_imbalance"] = cost_max / (cost_sum / world) if cost_sum else math.nan
+        row["e2e_mfu"] = flops / seconds / (self.peak * world) if self.peak else math.nan
+        row["peak_memory_gib"] = peak_memory_bytes(self.run.device) / 2**30
+        self.history.append(row)
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "step" and not (isinstance(value, float) and math.isnan(value)):
+                    self.writer.add_scalar(key, value, row["step"])
+        status = f"loss {row['loss']:.4f}  NE {row['ctr_ne']:.3f}  AUC {row['ctr_auc']:.3f}  {row['qps']:.0f} QPS"
+        if self.progress is not None:
+            self.progress.update(self.task, status=status)
+        else:
+            self.print(f"step {row['step']:>6}  {status}")
+
+    def finish(self, evaluation: dict, notes: list[str]) -> dict:
+        if self.progress is not None:
+            self.progress.stop()
+        steady = self.steady
+        world = self.run.world
+        summary = {
+            "config": self.cfg.name,
+            "steps": self.cfg.steps,
+            "steps_this_run": self.cfg.steps - self.start_step,
+            "samples": int(_all_reduce([float(self.samples)], dist.ReduceOp.SUM)[0]),
+            "final_ne": evaluation.get("ctr_ne", math.nan),
+            "final_auc": evaluation.get("ctr_auc", math.nan),
+            "final": evaluation,
+            "qps": steady["samples"] / steady["seconds"] if steady["seconds"] else math.nan,
+            "e2e_mfu": (
+                steady["flops"] / steady["seconds"] / (self.peak * world)
+                if self.peak and steady["seconds"]
+                else math.nan
+            ),  # fmt: skip
+            "wall_s": time.perf_counter() - self.t_start,
+            "world_size": world,
+            "device": str(self.run.device),
+            "optimisations": notes,
+            "losses": self.losses,
+            "history": self.history,
+        }
+        if self.writer is not None:
+            self.writer.close()
+        if self.is_main and self.cfg.metrics.summary_json:
+            path = Path(self.cfg.metrics.summary_json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(summary, indent=1, allow_nan=True))
+        return summary

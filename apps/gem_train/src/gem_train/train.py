@@ -1,0 +1,100 @@
+"""The training loop.
+
+``train(cfg)`` builds the run (``components.build_run``: process group, model, optimisations,
+optimizer, data), resumes from the newest checkpoint if there is one, then for each step: take
+this rank's next balanced batch, compute both tasks' logits and the summed BCE loss, step AdamW,
+report, and checkpoint when due. At the end it evaluates NE and AUC on held-out batches and returns
+the summary (also written to ``metrics.summary_json``).
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from gem_train.components import Run, build_run
+from gem_train.config import TrainConfig
+from gem_train.metrics import quality_of
+from gem_train.model import loss_of
+from gem_train.reporting import Reporter
+
+
+def train(cfg: TrainConfig) -> dict:
+    t_start = time.perf_counter()
+    run = build_run(cfg)
+    start = resume(run)
+    reporter = Reporter(run, start_step=start, t_start=t_start)
+    for note in run.notes:
+        reporter.print(note)
+    run.model.train()
+    for step in range(start, cfg.steps):
+        host_batch = next(run.batches)
+        lengths = host_batch.lengths.numpy()
+        max_len = int(lengths.max(initial=0))
+        batch = host_batch.to(run.device, non_blocking=True)
+        run.set_lr(step)
+        with run.autocast():
+            logits = run.model(batch, max_len)
+        loss, _ = loss_of(logits, batch)
+        run.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        run.clip_gradients()
+        run.optimizer.step()
+        reporter.step(step, logits, batch, loss, lengths, max_len)
+        every = cfg.checkpoint.every
+        if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
+            save(run, step + 1)
+    summary = reporter.finish(evaluate(run), run.notes)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
+
+
+def save(run: Run, step: int) -> None:
+    run.checkpointer.save(
+        step, run.model, run.optimizer, {"step": step, "data": run.batches.state_dict()}
+    )
+
+
+def resume(run: Run) -> int:
+    """The step to start from: 0, or the step of the newest checkpoint (verified, then loaded)."""
+    if run.checkpointer is None or not run.cfg.checkpoint.resume:
+        return 0
+    path = run.checkpointer.latest()
+    if path is None:
+        return 0
+    state = run.checkpointer.load(path, run.model, run.optimizer)
+    run.batches.load_state_dict(state["data"])
+    return int(state["step"])
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """NE and AUC per task on ``data.eval_batches`` held-out batches (split over the ranks)."""
+    cfg = run.cfg
+    run.model.eval()
+    logits, labels = {"ctr": [], "cvr": []}, {"ctr": [], "cvr": []}
+    for i in range(-(-cfg.data.eval_batches // run.world)):  # the same count on every rank
+        batch = _eval_batch(run, i * run.world + run.rank).to(run.device)
+        with run.autocast():
+            out = run.model(batch, int(batch.lengths.max()))
+        for task, label in (("ctr", batch.click), ("cvr", batch.conversion)):
+            logits[task].append(out[task].float().cpu())
+            labels[task].append(label.cpu())
+    run.model.train()
+    if run.world > 1:
+        gathered = [None] * run.world
+        dist.all_gather_object(gathered, (logits, labels))
+        logits = {t: [x for g in gathered for x in g[0][t]] for t in logits}
+        labels = {t: [x for g in gathered for x in g[1][t]] for t in labels}
+    return quality_of(logits, labels) if logits["ctr"] else {}
+
+
+def _eval_batch(run: Run, index: int):
+    source = run.eval_source
+    if hasattr(source, "batch"):  # synthetic: a held-out stream
+        return source.batch(index)
+    per_batch = run.cfg.data.batch_size // run.cfg.data.sub_batch_size  # Parquet: in-sample
+    return type(source.sub_batch(0)).cat(
+        [source.sub_batch(index * per_batch + k) for k in range(per_batch)]
+    )
