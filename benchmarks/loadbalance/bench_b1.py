@@ -1,0 +1,162 @@
+"""B1: rank balance with Base Batch Shuffling against no shuffling and a global optimum.
+
+Three tables, all on the CPU (the balancer is host-side Python):
+
+1. The B1 simulation (64 ranks, local batch 1024 from 128-sample sub-batches, J1 lengths, cost
+   ``L + L²/1024``): per-step max/mean rank cost, mean and p99, for no shuffling, the shuffler
+   (cold running estimate, the running estimate as it stands after 1000 steps, a calibrated
+   shared ``expected_cost``) and the global capped-LPT optimum; the share of the possible
+   improvement captured.
+2. Partition methods head to head with few items per part (6, 8, 16) and many (1024), on B1's
+   heavy-tailed costs and on mild (uniform) costs: the heaviest part over the lower bound
+   ``max(mean part, largest item)``, so the figure over-states the gap to the true optimum.
+3. Planning time per 1024-sample local batch: the planner alone on a B1 pool, and a whole
+   ``next()`` of the shuffler (reading and pricing sub-batches included).
+
+``--smoke`` runs tiny sizes in seconds.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+from gem_loadbalance import (  # noqa: E402
+    BaseBatchShuffler,
+    part_loads,
+    partition,
+    sample_cost,
+)
+from gem_loadbalance.planner import batch_target, deadline_floor, plan_local_batch  # noqa: E402
+from gem_loadbalance.simulate import (  # noqa: E402
+    SimulationConfig,
+    _RankStreams,
+    format_table,
+    simulate,
+)
+
+
+def b1_costs(n, seed):
+    lengths = common.lognormal_lengths(n, 512, 1.0, 32, 16384, seed)
+    return sample_cost(lengths, a=1.0, b=1 / 1024)
+
+
+def partition_table(parts, items_per_part, draws):
+    rows = []
+    for dist in ("B1 heavy tail", "uniform"):
+        for per in items_per_part:
+            ratios = {m: [] for m in ("lpt_capped", "kk", "greedy")}
+            for d in range(draws):
+                n = parts * per
+                costs = (
+                    b1_costs(n, 1000 + d)
+                    if dist == "B1 heavy tail"
+                    else np.random.default_rng(1000 + d).uniform(1.0, 2.0, n)
+                )
+                bound = max(costs.sum() / parts, costs.max())
+                for method in ratios:
+                    heaviest = part_loads(costs, partition(costs, parts, method=method)).max()
+                    ratios[method].append(heaviest / bound)
+            rows.append(
+                [dist, per] + [f"{np.mean(ratios[m]):.4f}" for m in ("lpt_capped", "kk", "greedy")]
+            )
+    return rows
+
+
+def planner_ms(local_batch, calls):
+    costs = b1_costs(3 * local_batch, 7)
+    natural = np.repeat(np.arange(3), local_batch)
+    mean = float(costs.mean())
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        target = batch_target(
+            count=local_batch,
+            mean_cost=mean,
+            pool_cost=float(costs.sum()),
+            pool_count=costs.size,
+            headroom=0.01,
+            gain=1.0,
+        )
+        target = max(target, deadline_floor(costs, natural, step=2, count=local_batch, max_delay=2))
+        plan_local_batch(
+            costs, natural, step=2, count=local_batch, target=target * (0.98 + 0.0004 * i),
+            max_delay=2, lookahead=2,
+        )  # fmt: skip
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def shuffler_next_ms(cfg, calls):
+    price = lambda sub_batch: sample_cost(np.asarray(sub_batch), a=cfg.a, b=cfg.b)
+    shuffler = BaseBatchShuffler(
+        _RankStreams(cfg, 0), sub_batch_cost=price, local_batch_size=cfg.local_batch
+    )
+    iterator = iter(shuffler)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        next(iterator)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds on a CPU")
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    if args.smoke:
+        cfg = SimulationConfig(
+            ranks=8, steps=5, local_batch=128, sub_batch=32, warm_steps=2, calibration_samples=4096
+        )
+        items, parts, draws, calls = (6, 16), 8, 2, 5
+    else:
+        cfg = SimulationConfig(steps=args.steps)
+        items, parts, draws, calls = (6, 8, 16, 1024), 64, 10, 100
+    print(f"# B1 load balance ({common.environment()})")
+    started = time.perf_counter()
+    result = simulate(cfg)
+    print(f"\n## B1 simulation ({time.perf_counter() - started:.0f} s)\n")
+    print(format_table(cfg, result))
+
+    common.print_table(
+        f"partition methods: heaviest part / max(mean part, largest item), {parts} parts, "
+        f"mean of {draws} draws",
+        ["costs", "items per part", "lpt_capped", "kk", "greedy"],
+        partition_table(parts, items, draws),
+    )
+    plan = planner_ms(cfg.local_batch, calls)
+    whole = shuffler_next_ms(
+        SimulationConfig(
+            ranks=1, steps=calls + 4, local_batch=cfg.local_batch, sub_batch=cfg.sub_batch
+        ),
+        calls,
+    )
+    common.print_table(
+        f"planning time per local batch of {cfg.local_batch} samples (median of {calls}; goal < 5 ms)",
+        ["what", "ms"],
+        [
+            ["planner (target, deadline floor, plan)", plan],
+            ["shuffler next() incl. reading", whole],
+        ],
+    )
+    common.record(
+        "loadbalance_b1",
+        none_max_over_mean=float(result.ratios["no shuffling"].mean()),
+        calibrated_max_over_mean=float(result.ratios["shuffler, calibrated expected_cost"].mean()),
+        captured_calibrated=result.captured("shuffler, calibrated expected_cost"),
+        captured_cold=result.captured("shuffler, running estimate (cold)"),
+        plan_ms=plan,
+        next_ms=whole,
+    )
+
+
+if __name__ == "__main__":
+    main()
