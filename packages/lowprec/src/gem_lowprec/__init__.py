@@ -22,7 +22,7 @@ _EXPORTS = {
     "to_mx_rowcol": "gem_lowprec.ops.mx_quantize",
     "rmsnorm_to_mx": "gem_lowprec.ops.rmsnorm_mx",
     "LowPrecisionLinear": "gem_lowprec.linear",
-    "convert": "gem_lowprec.convert",
+    "convert": "gem_lowprec.conversion",
     "Recipe": "gem_lowprec.recipes",
     "recipe": "gem_lowprec.recipes",
 }

@@ -74,7 +74,8 @@ def encode(
 
     ``noise`` (int64 in [0, 2^32)) switches from round-half-even to stochastic rounding.
     """
-    bits = x_bits.to(torch.int64)
+    wide = torch.int64 if noise is not None else torch.int32  # sig + noise needs 33 bits
+    bits = x_bits.to(torch.int32)
     sign = (bits >> 31) & 1
     magnitude = bits & 0x7FFFFFFF
     biased_exp = magnitude >> 23
@@ -84,25 +85,26 @@ def encode(
     lsb_exp = biased_exp.clamp(min=1) - 150  # |x| = sig * 2^lsb_exp
     # floor(log2 |x|): the exponent field, or for subnormals the top set bit of the mantissa
     # (read from the exact int -> float32 conversion of the mantissa).
-    top_bit = (mantissa.to(torch.float32).view(torch.int32).to(torch.int64) >> 23) - 127
+    top_bit = (mantissa.to(torch.float32).view(torch.int32) >> 23) - 127
     log2_x = torch.where(normal, biased_exp - 127, top_bit - 149)
 
-    e = scale.to(torch.int64) - 127
+    e = scale.to(torch.int32) - 127
     exp_scaled = torch.maximum(log2_x - e, torch.full_like(log2_x, fmt.emin))
     step_exp = exp_scaled - fmt.mbits
     shift = (e + step_exp - lsb_exp).clamp(min=0)
 
     if noise is None:
-        shift = shift.clamp(max=40)  # sig < 2^24: any shift beyond 25 already gives 0
+        shift = shift.clamp(max=30)  # sig < 2^24: any shift beyond 25 already gives 0
         n = sig >> shift
         remainder = sig - (n << shift)
         half = (1 << shift) >> 1
         round_up = (remainder > half) | ((remainder == half) & (half > 0) & ((n & 1) == 1))
-        n = n + round_up.to(torch.int64)
+        n = n + round_up.to(torch.int32)
     else:
         in_reach = shift <= 32
-        shift_c = shift.clamp(max=32)
-        n = torch.where(in_reach, (sig + (noise >> (32 - shift_c))) >> shift_c, 0)
+        shift_c = shift.clamp(max=32).to(wide)
+        n = (sig.to(wide) + (noise >> (32 - shift_c))) >> shift_c
+        n = torch.where(in_reach, n, 0).to(torch.int32)
 
     out = ((exp_scaled - fmt.emin) << fmt.mbits) + n
     out = torch.where(sig == 0, torch.zeros_like(out), out).clamp(max=fmt.max_bits)

@@ -164,6 +164,7 @@ def mx_quantize_kernel(
     HW_CONVERT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     IN_BF16: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -174,8 +175,11 @@ def mx_quantize_kernel(
     ki = tl.arange(0, 32)[None, None, None, :]
     rows = pid_m * BLOCK_M + mb * 32 + mi
     cols = pid_k * BLOCK_K + kb * 32 + ki
+    if WIDE_INDEX:  # 64-bit offsets only for tensors past 2^31 elements
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
     in_bounds = (rows < M) & (cols < K)
-    offs_MK = rows.to(tl.int64) * K + cols
+    offs_MK = rows * K + cols
     x = load_as_float32(x_ptr + offs_MK, in_bounds, IN_BF16)
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     Kb = K // 32
@@ -186,7 +190,7 @@ def mx_quantize_kernel(
         byte_r = scale_byte(amax_r, EMAX_EXP, RCEIL)
         noise_r = offs_MK
         if STOCHASTIC:
-            noise_r = lowbias32((offs_MK + seed_key) & 0xFFFFFFFF)
+            noise_r = lowbias32((offs_MK.to(tl.int64) + seed_key) & 0xFFFFFFFF)
         q_r = encode(
             x,
             byte_r,
@@ -201,7 +205,7 @@ def mx_quantize_kernel(
             STOCHASTIC,
         )
         tl.store(row_data_ptr + offs_MK, q_r, mask=in_bounds)
-        scale_rows = rows.to(tl.int64) * Kb + pid_k * (BLOCK_K // 32) + kb
+        scale_rows = rows * Kb + pid_k * (BLOCK_K // 32) + kb
         tl.store(
             row_scale_ptr + scale_rows,
             byte_r.to(tl.uint8),
@@ -210,10 +214,10 @@ def mx_quantize_kernel(
     if COLS:  # 1×32 blocks along M, stored transposed [K, M] with scales [K, Mb]
         amax_c = tl.max(abs_bits, axis=1, keep_dims=True)
         byte_c = scale_byte(amax_c, EMAX_EXP, RCEIL)
-        offs_KM = cols.to(tl.int64) * M + rows
+        offs_KM = cols * M + rows
         noise_c = offs_KM
         if STOCHASTIC:
-            noise_c = lowbias32((offs_KM + seed_key) & 0xFFFFFFFF)
+            noise_c = lowbias32((offs_KM.to(tl.int64) + seed_key) & 0xFFFFFFFF)
         q_c = encode(
             x,
             byte_c,
@@ -228,7 +232,7 @@ def mx_quantize_kernel(
             STOCHASTIC,
         )
         tl.store(col_data_ptr + offs_KM, q_c, mask=in_bounds)
-        scale_cols = cols.to(tl.int64) * Mb + pid_m * (BLOCK_M // 32) + mb
+        scale_cols = cols * Mb + pid_m * (BLOCK_M // 32) + mb
         tl.store(
             col_scale_ptr + scale_cols,
             byte_c.to(tl.uint8),
@@ -244,10 +248,62 @@ def mx_quantize_kernel(
         tile_rows = pid_m * (BLOCK_M // 32) + mb
         tile_cols = pid_k * (BLOCK_K // 32) + kb
         tl.store(
-            row_scale_ptr + tile_rows.to(tl.int64) * Kb + tile_cols,
+            row_scale_ptr + tile_rows * Kb + tile_cols,
             byte_t.to(tl.uint8),
             mask=(tile_rows < Mb) & (tile_cols < Kb),
         )
+
+
+@triton.jit
+def mx_quantize_rows_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    n_blocks,
+    seed_key,
+    BLOCKS: tl.constexpr,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX_EXP: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    RCEIL: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
+):
+    """Row-wise 1×32 blocks of a contiguous tensor: block ``b`` is elements ``32b .. 32b+31`` and
+    its scale is byte ``b``, so a program is a ``[BLOCKS, 32]`` slab of consecutive blocks (one
+    contiguous read, one contiguous write, one contiguous scale write)."""
+    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    if WIDE_INDEX:
+        blk = blk.to(tl.int64)
+    in_bounds_B = blk < n_blocks
+    offs_B32 = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    mask_B32 = in_bounds_B[:, None]
+    x = load_as_float32(x_ptr + offs_B32, mask_B32, IN_BF16)
+    amax_B1 = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
+    byte_B1 = scale_byte(amax_B1, EMAX_EXP, RCEIL)
+    noise = offs_B32
+    if STOCHASTIC:
+        noise = lowbias32((offs_B32.to(tl.int64) + seed_key) & 0xFFFFFFFF)
+    q = encode(
+        x, byte_B1, noise, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, STOCHASTIC
+    )
+    tl.store(data_ptr + offs_B32, q, mask=mask_B32)
+    tl.store(scale_ptr + blk[:, None], byte_B1.to(tl.uint8), mask=in_bounds_B[:, None])
+
+
+_ROWS_CONFIGS = [
+    triton.Config({"BLOCKS": b}, num_warps=w, num_stages=1)
+    for b, w in [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8), (1024, 8)]
+]
+_tuned_rows_kernel = triton.autotune(
+    configs=_ROWS_CONFIGS, key=["n_blocks", "E4M3", "HW_CONVERT", "IN_BF16", "STOCHASTIC"]
+)(mx_quantize_rows_kernel)
 
 
 _TUNED_CONFIGS = [
@@ -260,6 +316,8 @@ _TUNED_CONFIGS = [
         (64, 256, 8, 1),
         (128, 128, 8, 1),
         (32, 512, 8, 1),
+        (64, 64, 4, 1),
+        (64, 512, 8, 1),
     ]
 ]
 _tuned_kernel = triton.autotune(
@@ -317,6 +375,12 @@ def mx_quantize(
         return row_data, row_scale, col_data, col_scale
     in_bf16 = x_MK.dtype == torch.bfloat16
     x_arg = x_MK.view(torch.int16) if in_bf16 else x_MK
+    wide = x_MK.numel() >= 2**31 - 2**20
+    if rows and not cols:
+        _launch_rows(
+            x_arg, row_data, row_scale, fmt, scale_mode, seed, force_integer, in_bf16, wide
+        )
+        return row_data, row_scale, col_data, col_scale
     args = (x_arg, row_data, row_scale, col_data, col_scale, M, K, seed_key(seed or 0))
     constants = dict(
         ROWS=rows,
@@ -326,6 +390,7 @@ def mx_quantize(
         HW_CONVERT=use_hw_convert(x_MK, force_integer),
         STOCHASTIC=seed is not None,
         IN_BF16=in_bf16,
+        WIDE_INDEX=wide,
         **format_constants(fmt),
     )
     if INTERPRETING or not x_MK.is_cuda:
@@ -336,3 +401,22 @@ def mx_quantize(
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))
         _tuned_kernel[grid](*args, **constants)
     return row_data, row_scale, col_data, col_scale
+
+
+def _launch_rows(x_arg, data, scale, fmt, scale_mode, seed, force_integer, in_bf16, wide):
+    n_blocks = x_arg.numel() // 32
+    constants = dict(
+        RCEIL=scale_mode == "rceil",
+        HW_CONVERT=use_hw_convert(x_arg, force_integer),
+        STOCHASTIC=seed is not None,
+        IN_BF16=in_bf16,
+        WIDE_INDEX=wide,
+        **format_constants(fmt),
+    )
+    args = (x_arg, data, scale, n_blocks, seed_key(seed or 0))
+    if INTERPRETING or not x_arg.is_cuda:
+        blocks = 512
+        mx_quantize_rows_kernel[(triton.cdiv(n_blocks, blocks),)](*args, BLOCKS=blocks, **constants)
+    else:
+        grid = lambda meta: (triton.cdiv(n_blocks, meta["BLOCKS"]),)
+        _tuned_rows_kernel[grid](*args, **constants)

@@ -1,8 +1,9 @@
 """Triton RMSNorm fused with 1×32 MX quantization: the normalized activation never goes to memory.
 
-Legend: ``M`` rows, ``N`` features (a multiple of 32, at most 16384), ``Nb = N/32``; a program holds
-``BLOCK_M`` whole rows as ``[BLOCK_M, NB_P2, 32]`` (row, block, element in block), where
-``NB_P2`` is ``Nb`` rounded up to a power of two and the extra blocks are masked.
+Legend: ``M`` rows, ``N`` features (a multiple of 32, at most 16384), ``Nb = N/32``, ``NB_P2``
+that rounded up to a power of two (extra blocks masked). A program holds ``BLOCK_M`` whole rows
+as a slab ``[R, 32]`` of ``R = BLOCK_M · NB_P2`` MX blocks, the shape in which the 32-element
+reductions are cheapest; per-row sums go through a ``[BLOCK_M, NB_P2]`` reshape of block sums.
 
 Stages: (1) load the rows once and widen to float32; (2) ``rstd = 1/sqrt(mean(x²) + eps)`` per
 row and ``y = x · rstd · weight``; (3) per 32-element block, the amax of ``|y|`` bit patterns gives
@@ -50,31 +51,38 @@ def rmsnorm_mx_kernel(
     W_BF16: tl.constexpr,
     STORE_Y: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    r = (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None, None]
-    nb = tl.arange(0, NB_P2)[None, :, None]
-    j = tl.arange(0, 32)[None, None, :]
-    cols = nb * 32 + j
-    mask = (r < M) & (cols < N)
-    offs_MN = r.to(tl.int64) * N + cols
-    # Stage 1-2: one read, normalize in float32.
-    x = load_as_float32(x_ptr + offs_MN, mask, IN_BF16)
-    w = load_as_float32(w_ptr + cols, cols < N, W_BF16)
-    sum_sq = tl.sum(tl.sum(x * x, axis=2, keep_dims=True), axis=1, keep_dims=True)
-    rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
-    y = x * rstd * w
+    # The program's rows as a slab of R = BLOCK_M · NB_P2 MX blocks of 32 ([R, 32]); block r is
+    # (row r // NB_P2, block r % NB_P2 of that row).
+    R: tl.constexpr = BLOCK_M * NB_P2
+    blk_R = tl.arange(0, R)
+    row_R = tl.program_id(0) * BLOCK_M + blk_R // NB_P2
+    nb_R = blk_R % NB_P2
+    j = tl.arange(0, 32)[None, :]
+    cols_R32 = nb_R[:, None] * 32 + j
+    mask_R32 = (row_R[:, None] < M) & (cols_R32 < N)
+    offs_R32 = row_R[:, None].to(tl.int64) * N + cols_R32
+    # Stage 1-2: one read, sum of squares per block then per row, normalize in float32.
+    x = load_as_float32(x_ptr + offs_R32, mask_R32, IN_BF16)
+    w = load_as_float32(w_ptr + cols_R32, cols_R32 < N, W_BF16)
+    sum_sq_M = tl.sum(tl.reshape(tl.sum(x * x, axis=1), [BLOCK_M, NB_P2]), axis=1)
+    rstd_M = 1.0 / tl.sqrt(sum_sq_M / N + eps)
+    rstd_R = tl.reshape(tl.broadcast_to(rstd_M[:, None], [BLOCK_M, NB_P2]), [R])
+    y = x * rstd_R[:, None] * w
     if STORE_Y:
-        tl.store(y_ptr + offs_MN, y, mask=mask)
-    # Stage 3: block scales and elements.
-    amax = tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2, keep_dims=True)
-    byte = scale_byte(amax, EMAX_EXP, RCEIL)
+        tl.store(y_ptr + offs_R32, y, mask=mask_R32)
+    # Stage 3: block scales and elements (the encoder of to_mx).
+    amax_R1 = tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
+    byte_R1 = scale_byte(amax_R1, EMAX_EXP, RCEIL)
     q = encode(
-        y, byte, offs_MN, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+        y, byte_R1, offs_R32, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
     )
-    # Stage 4: store.
-    tl.store(data_ptr + offs_MN, q, mask=mask)
+    # Stage 4: store bytes and scales.
+    tl.store(data_ptr + offs_R32, q, mask=mask_R32)
+    scale_offs = row_R[:, None].to(tl.int64) * (N // 32) + nb_R[:, None]
     tl.store(
-        scale_ptr + r.to(tl.int64) * (N // 32) + nb, byte.to(tl.uint8), mask=(r < M) & (nb * 32 < N)
+        scale_ptr + scale_offs,
+        byte_R1.to(tl.uint8),
+        mask=(row_R[:, None] < M) & (nb_R[:, None] * 32 < N),
     )
 
 

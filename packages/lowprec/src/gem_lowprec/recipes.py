@@ -1,0 +1,76 @@
+"""Low-precision training recipes as config dataclasses, one concern each.
+
+A ``Recipe`` says how a ``LowPrecisionLinear`` computes its three GEMMs (forward ``y = x Wᵀ``,
+input-gradient ``dx = dy W``, weight-gradient ``dW = dyᵀ x``):
+
+- ``mxfp8``: MX data (E8M0 scale per 32 along K). On Hopper, which has no MX matmul, four adjacent
+  scales along K are merged into one 1×128 block by shifting the smaller blocks' fp8 values down
+  whole binades, and the product runs as a 1×128 blockwise fp8 GEMM (``torch._scaled_mm``); on
+  the CPU the same merged operands are multiplied in float32 (an emulation with the same math).
+- ``fp8_rowwise``: one float32 scale per row of each operand, ``torch._scaled_mm`` rowwise
+  (Hopper's fastest fp8 path).
+- ``bf16``: no quantization (``F.linear``).
+
+Forward and input-gradient run in fp8; the weight-gradient runs in BF16 by default
+(``weight_grad="bf16"``) or fp8 (``"fp8"``, optionally with a random Hadamard transform along the
+token dim, ``WeightGradConfig.hadamard_block``). ``FallbackConfig`` decides per shape whether the
+low-precision path is used at all: shapes the fp8 kernels cannot take, and on a GPU shapes where a
+one-time measurement finds the fp8 path slower than BF16, run in BF16 and say so.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+RECIPES = ("mxfp8", "fp8_rowwise", "bf16")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    elem_dtype: torch.dtype = torch.float8_e4m3fn  # forward operands
+    grad_elem_dtype: torch.dtype = torch.float8_e4m3fn  # the output gradient
+    scale_mode: str = "rceil"  # MX scale rule (mxfp8 only)
+
+
+@dataclass(frozen=True)
+class WeightGradConfig:
+    precision: str = "bf16"  # "bf16" or "fp8"
+    hadamard_block: int | None = None  # random Hadamard along tokens before fp8 quantization
+
+
+@dataclass(frozen=True)
+class FallbackConfig:
+    measure_on_gpu: bool = True  # time fp8 vs BF16 fwd+bwd once per shape, keep the faster
+    warn: bool = True  # warn once per shape that falls back
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "mxfp8"
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    weight_grad: WeightGradConfig = field(default_factory=WeightGradConfig)
+    fallback: FallbackConfig = field(default_factory=FallbackConfig)
+
+    def __post_init__(self):
+        if self.name not in RECIPES:
+            raise ValueError(f"recipe name must be one of {RECIPES}, got {self.name!r}")
+        if self.weight_grad.precision not in ("bf16", "fp8"):
+            raise ValueError(
+                f"weight_grad.precision must be 'bf16' or 'fp8', got {self.weight_grad.precision!r}"
+            )
+        block = self.weight_grad.hadamard_block
+        if block is not None and (block < 16 or block > 256 or block & (block - 1)):
+            raise ValueError(
+                f"weight_grad.hadamard_block must be a power of two in [16, 256], got {block}"
+            )
+
+
+def recipe(
+    name: str, *, weight_grad: str = "bf16", hadamard_block: int | None = None, **quant
+) -> Recipe:
+    """Shorthand: ``recipe("mxfp8", weight_grad="fp8")``; extra keywords go to ``QuantConfig``."""
+    return Recipe(
+        name=name,
+        quant=replace(QuantConfig(), **quant),
+        weight_grad=WeightGradConfig(precision=weight_grad, hadamard_block=hadamard_block),
+    )

@@ -1,0 +1,101 @@
+"""The fp8 GEMMs behind the recipes: ``a @ bᵀ`` for operands quantized along their last dim (K).
+
+``mx_matmul`` takes two MX operands (1×32 blocks along K). Hopper has no MX matmul, so
+``merge_k128`` turns each run of four E8M0 scales along K into one 1×128 scale, their maximum
+``e_max``, and shifts the fp8 values of the smaller blocks down by ``e_max − e`` whole binades
+(a multiply by a power of two: exact while the value stays normal; values pushed below the normal
+range are rounded to nearest-even in the element format, as any fp8 cast does). The merged
+operands go to ``torch._scaled_mm`` with 1×128 blockwise float32 scales (cuBLAS on sm_90 takes
+A's scales M-major and B's as ``[K/128, N]``). On the CPU the same merged operands are
+dequantized exactly in float32 and multiplied: the emulation computes the same products, only
+the float32 summation order differs.
+
+``rowwise_matmul`` is the fp8_rowwise recipe: one float32 scale per row of each operand
+(``amax / 448``), ``torch._scaled_mm`` rowwise on a GPU, the dequantized product on the CPU.
+"""
+
+import torch
+
+from gem_lowprec.formats import SCALE_NAN, scale_to_float
+from gem_lowprec.mx_tensor import MXTensor
+
+
+def merge_k128(mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1×32 MX along the last dim of ``[R, K]`` (K % 128 == 0) -> (fp8 ``[R, K]`` contiguous,
+    float32 scales ``[R, K/128]``) with ``value = fp8 · scale`` per 1×128 block."""
+    r, k = mx.shape
+    if mx.layout.kind != "1x32" or mx.layout.axis != 1:
+        raise ValueError(f"merge_k128 needs 1x32 blocks along the last dim, got {mx.layout}")
+    if k % 128:
+        raise ValueError(f"merge_k128 needs K to be a multiple of 128, got K={k}")
+    byte = mx.scale.contiguous().to(torch.int32).view(r, k // 128, 4)
+    byte_max = byte.amax(dim=-1, keepdim=True)
+    shift = byte_max - byte  # whole binades each block's values move down
+    down = torch.where(
+        shift >= 127,
+        torch.zeros_like(shift, dtype=torch.float32),
+        ((127 - shift) << 23).view(torch.float32),
+    )
+    values = mx.data.contiguous().to(torch.float32).view(r, k // 128, 4, 32) * down[..., None]
+    nan_block = (byte_max == SCALE_NAN)[..., None]
+    values = torch.where(nan_block, torch.full_like(values, float("nan")), values)
+    data = values.to(mx.elem_dtype).view(r, k)
+    return data, scale_to_float(byte_max.squeeze(-1).to(torch.uint8))
+
+
+def _expand_k(scale: torch.Tensor, block: int) -> torch.Tensor:
+    return scale.repeat_interleave(block, dim=-1)
+
+
+def blockwise_matmul(a_data, a_scale, b_data, b_scale, out_dtype) -> torch.Tensor:
+    """``(a · a_scale) @ (b · b_scale)ᵀ`` with 1×128 float32 scales along K."""
+    if a_data.is_cuda:
+        return torch._scaled_mm(
+            a_data,
+            b_data.t(),
+            scale_a=a_scale.t().contiguous().t(),  # M-major, as cuBLAS wants for 1x128
+            scale_b=b_scale.t().contiguous(),  # [K/128, N]
+            out_dtype=out_dtype,
+        )
+    a = a_data.to(torch.float32) * _expand_k(a_scale, 128)
+    b = b_data.to(torch.float32) * _expand_k(b_scale, 128)
+    return (a @ b.t()).to(out_dtype)
+
+
+def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ bᵀ`` for MX operands ``a [M, K]`` and ``b [N, K]``, both in 1×32 blocks along K."""
+    a_data, a_scale = merge_k128(a)
+    b_data, b_scale = merge_k128(b)
+    return blockwise_matmul(a_data, a_scale, b_data, b_scale, out_dtype)
+
+
+def _quantize_rowwise_eager(x: torch.Tensor, elem_dtype: torch.dtype):
+    fmax = torch.finfo(elem_dtype).max
+    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp(min=1e-30)
+    scale = amax / fmax
+    q = (x.to(torch.float32) / scale).clamp(-fmax, fmax).to(elem_dtype)
+    return q, scale
+
+
+_compiled_rowwise = None
+
+
+def quantize_rowwise(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn):
+    """``[R, C]`` -> (fp8 ``[R, C]``, float32 ``[R, 1]`` scale ``amax/max``); compiled on a GPU."""
+    global _compiled_rowwise
+    if x.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_rowwise is None:
+            _compiled_rowwise = torch.compile(_quantize_rowwise_eager, dynamic=False)
+        return _compiled_rowwise(x, elem_dtype)
+    return _quantize_rowwise_eager(x, elem_dtype)
+
+
+def rowwise_matmul(a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
+    """``(a_q · a_scale) @ (b_q · b_scale)ᵀ`` with per-row float32 scales ``[M,1]``, ``[N,1]``."""
+    if a_q.is_cuda:
+        return torch._scaled_mm(
+            a_q, b_q.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=out_dtype
+        )
+    a = a_q.to(torch.float32) * a_scale
+    b = b_q.to(torch.float32) * b_scale
+    return (a @ b.t()).to(out_dtype)

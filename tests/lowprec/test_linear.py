@@ -1,0 +1,172 @@
+"""LowPrecisionLinear, convert, the scale merge and the emulated fp8 GEMMs."""
+
+import pytest
+import torch
+from gem_lowprec import LowPrecisionLinear, convert, recipe, to_mx
+from gem_lowprec.hadamard import inverse_random_hadamard, random_hadamard
+from gem_lowprec.linear import fallback_report
+from gem_lowprec.recipes import Recipe
+from gem_lowprec.scaled_matmul import merge_k128, mx_matmul
+from torch import nn
+
+
+def test_merge_k128_is_exact_while_values_stay_normal():
+    gen = torch.Generator().manual_seed(0)
+    # four blocks per 128 with magnitudes 1, 2, 4, 8: shifts of at most 3 binades stay normal
+    x = torch.randn(8, 256, generator=gen) * torch.tensor([1.0, 2, 4, 8]).repeat_interleave(
+        32
+    ).repeat(2)
+    mx = to_mx(x)
+    data, scale = merge_k128(mx)
+    merged = data.float() * scale.repeat_interleave(128, dim=1)
+    assert torch.equal(merged, mx.dequantize())
+    # a block 2^20 below its neighbours loses its values to the shift (rounded, not garbage)
+    x[:, 0:32] *= 2.0**-20
+    mx = to_mx(x)
+    data, scale = merge_k128(mx)
+    merged = data.float() * scale.repeat_interleave(128, dim=1)
+    assert torch.equal(merged[:, 32:], mx.dequantize()[:, 32:])
+    assert (
+        merged[:, :32].abs() <= mx.dequantize()[:, :32].abs() * 2 + 2.0**-9 * scale[:, :1]
+    ).all()
+
+
+def test_mx_matmul_emulation_is_the_dequantized_product():
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 256, generator=gen), torch.randn(96, 256, generator=gen)
+    ma, mb = to_mx(a), to_mx(b)
+    out = mx_matmul(ma, mb, torch.float32)
+    torch.testing.assert_close(out, ma.dequantize() @ mb.dequantize().t(), rtol=1e-5, atol=1e-4)
+    sqnr = 10 * torch.log10((a @ b.t()).pow(2).sum() / (out - a @ b.t()).pow(2).sum())
+    assert 26.5 < sqnr < 30.5  # workloads.md: both operands MXFP8 about 28.5 dB
+
+
+@pytest.mark.parametrize(
+    "rec",
+    [
+        recipe("mxfp8"),
+        recipe("mxfp8", weight_grad="fp8"),
+        recipe("mxfp8", weight_grad="fp8", hadamard_block=64),
+        recipe("fp8_rowwise"),
+        recipe("fp8_rowwise", weight_grad="fp8"),
+    ],
+    ids=["mxfp8", "mxfp8-wgrad-fp8", "mxfp8-wgrad-fp8-hadamard", "rowwise", "rowwise-wgrad-fp8"],
+)
+def test_linear_forward_backward_close_to_fp64(rec):
+    gen = torch.Generator().manual_seed(2)
+    lin = LowPrecisionLinear(256, 128, recipe=rec)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, generator=gen) * 0.05)
+    x = torch.randn(2, 64, 256, generator=gen, requires_grad=True)
+    dy = torch.randn(2, 64, 128, generator=gen)
+    y = lin(x)
+    y.backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), lin.weight.detach().double().requires_grad_()
+    y64 = x64 @ w64.t() + lin.bias.detach().double()
+    y64.backward(dy.double())
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert rel(y, y64) < 0.05
+    assert rel(x.grad, x64.grad) < 0.05
+    exact_wgrad = rec.weight_grad.precision == "bf16"
+    assert rel(lin.weight.grad, w64.grad) < (1e-5 if exact_wgrad else 0.05)
+    assert not fallback_report()
+
+
+def test_unaligned_shape_falls_back_and_says_so():
+    lin = LowPrecisionLinear(96, 64, recipe=recipe("mxfp8"))
+    x = torch.randn(32, 96)
+    with pytest.warns(UserWarning, match="falls back to bf16"):
+        y = lin(x)
+    assert torch.equal(y, nn.functional.linear(x, lin.weight, lin.bias))
+    assert any(k[2] == 96 for k in fallback_report())
+
+
+def test_convert_skips_heads_and_last_layer_and_shares_parameters():
+    model = nn.Sequential()
+    model.add_module("body", nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)))
+    model.add_module("ctr_head", nn.Linear(128, 128))
+    model.add_module("final", nn.Linear(128, 1))
+    w0 = model.body[0].weight
+    convert(model, "mxfp8", skip=("*head*",))
+    assert isinstance(model.body[0], LowPrecisionLinear) and model.body[0].weight is w0
+    assert isinstance(model.body[2], LowPrecisionLinear)
+    assert type(model.ctr_head) is nn.Linear and type(model.final) is nn.Linear
+    report = model.lowprec_conversion
+    assert report.converted == ["body.0", "body.2"]
+    assert set(report.skipped) == {"ctr_head", "final"}
+    with pytest.raises(ValueError, match="recipe name"):
+        convert(nn.Linear(4, 4), "int4")
+
+
+def test_hadamard_round_trip_and_gemm_invariance():
+    gen = torch.Generator().manual_seed(3)
+    for block in (16, 64, 256):
+        x = torch.randn(8, 512, generator=gen)
+        y = random_hadamard(x, block_size=block, seed=5)
+        torch.testing.assert_close(
+            inverse_random_hadamard(y, block_size=block, seed=5), x, rtol=0, atol=1e-5
+        )
+        b = torch.randn(4, 512, generator=gen)
+        torch.testing.assert_close(
+            y @ random_hadamard(b, block_size=block, seed=5).t(), x @ b.t(), rtol=1e-4, atol=1e-4
+        )
+        assert not torch.allclose(y, x)
+    # spreads an outlier: its block's max drops by ~sqrt(block)
+    spike = torch.zeros(1, 256)
+    spike[0, 3] = 100.0
+    assert random_hadamard(spike, block_size=256, seed=1).abs().max() < 100.0 / 15
+    with pytest.raises(ValueError, match="block_size"):
+        random_hadamard(x, block_size=24)
+    with pytest.raises(ValueError, match="hadamard_block"):
+        recipe("mxfp8", weight_grad="fp8", hadamard_block=512)
+
+
+def _train(rec: Recipe | None, steps: int = 40) -> list[float]:
+    """A 3-layer MLP regressing a fixed random teacher; the two hidden GEMMs are converted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1)
+    )
+    if rec is not None:
+        convert(model, rec)
+    gen = torch.Generator().manual_seed(1)
+    teacher = torch.randn(128, 8, generator=gen) * 2 / 128**0.5
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(128, 128, generator=gen)
+        target = torch.tanh(x @ teacher).sum(1, keepdim=True) / 8**0.5
+        loss = nn.functional.mse_loss(model(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_small_model_trains_with_emulated_mxfp8_within_1pct_of_bf16():
+    base = _train(None)
+    mx = _train(recipe("mxfp8"))
+    final_base, final_mx = sum(base[-5:]) / 5, sum(mx[-5:]) / 5
+    assert final_base < 0.5 * base[0]  # it learns
+    assert abs(final_mx - final_base) <= 0.01 * final_base, (final_mx, final_base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise"])
+def test_gpu_linear_matches_emulation(name):
+    rec = Recipe(name=name, fallback=Recipe().fallback.__class__(measure_on_gpu=False))
+    lin = LowPrecisionLinear(1024, 512, recipe=rec, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    y.float().pow(2).sum().backward()
+    cpu = LowPrecisionLinear(1024, 512, recipe=rec, dtype=torch.bfloat16)
+    cpu.load_state_dict({k: v.cpu() for k, v in lin.state_dict().items()})
+    xc = x.detach().cpu().requires_grad_()
+    yc = cpu(xc)
+    yc.float().pow(2).sum().backward()
+    assert ((y.cpu().float() - yc.float()).norm() / yc.float().norm()) < 2e-2
+    assert ((x.grad.cpu().float() - xc.grad.float()).norm() / xc.grad.float().norm()) < 3e-2
