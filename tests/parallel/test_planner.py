@@ -153,3 +153,20 @@ def test_cli_table_json_and_errors(capsys):
     assert data["layout"]["world"] == 16 and data["step_s"] >= data["compute_s"]
     assert plan_cli(["--gpus", "12", "--model", "gem-small"]) == 2
     assert "use num_gpus=8 or 16" in capsys.readouterr().err
+
+
+def test_package_exports_load_lazily():
+    import gem_parallel
+    import gem_parallel.plan as cli  # the CLI module keeps its name; the function is make_plan
+    from gem_parallel import planner
+
+    assert gem_parallel.make_plan is planner.plan and gem_parallel.plan is cli
+    assert {
+        "make_plan",
+        "build_meshes",
+        "apply_dense_parallel",
+        "shard_embeddings",
+        "collectives",
+    } <= set(dir(gem_parallel))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        gem_parallel.nothing  # noqa: B018

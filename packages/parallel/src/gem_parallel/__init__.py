@@ -1,7 +1,8 @@
 """gem_parallel: topology-aware parallelism for GEM-like recommendation models.
 
-Planning (pure Python, no torch import): ``Topology``, ``CostModel``, ``ModelSpec``, ``plan`` ->
-``Plan`` with a ``MeshLayout``. Running (torch.distributed): ``build_meshes`` -> ``ParallelMeshes``,
+Planning (pure Python, no torch import): ``Topology``, ``CostModel``, ``ModelSpec``, ``make_plan``
+-> ``Plan`` with a ``MeshLayout`` (``gem_parallel.plan`` is the command-line module,
+``python -m gem_parallel.plan``; ``make_plan`` is ``gem_parallel.planner.plan``). Running (torch.distributed): ``build_meshes`` -> ``ParallelMeshes``,
 ``apply_dense_parallel`` (FSDP2 HSDP + expert parallelism), ``MoE``. Sparse side:
 ``shard_embeddings`` and the ``collectives`` module.
 
@@ -21,7 +22,7 @@ _EXPORTS = {
     "MeshLayout": "gem_parallel.layout",
     "Plan": "gem_parallel.planner",
     "PlannerConfig": "gem_parallel.planner",
-    "plan": "gem_parallel.planner",
+    "make_plan": "gem_parallel.planner",
     "ParallelMeshes": "gem_parallel.meshes",
     "build_meshes": "gem_parallel.meshes",
     "fake_world": "gem_parallel.meshes",
@@ -41,7 +42,7 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         target, attribute = f"gem_parallel.{name}", None
     elif name in _EXPORTS:
-        target, attribute = _EXPORTS[name], name
+        target, attribute = _EXPORTS[name], ("plan" if name == "make_plan" else name)
     else:
         raise AttributeError(f"module 'gem_parallel' has no attribute {name!r}")
     try:
