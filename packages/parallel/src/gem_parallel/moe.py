@@ -30,6 +30,9 @@ the expert weights' gradients by ``1/ep`` so that, after FSDP's average, every p
 the mean gradient over all ranks, as in single-process training on the concatenated batch.
 
 ``moe_reference`` is the same computation written as a loop over tokens and choices.
+
+Shape suffixes: ``T`` local tokens, ``k`` choices per token, ``A = T·k`` assignments, ``E``
+experts, ``C`` capacity (slots per expert and source rank), ``d`` model width.
 """
 
 import math
@@ -181,7 +184,9 @@ class MoE(nn.Module):
             out_ECd = _AllToAll.apply(back, self.ep_group)
 
         rows = torch.cat([out_ECd.reshape(E * C, cfg.d_model), out_ECd.new_zeros(1, cfg.d_model)])
-        weighted_A = rows.index_select(0, row_A) * (gate_Tk.reshape(-1, 1) * kept_A[:, None]).to(rows.dtype)
+        weighted_A = rows.index_select(0, row_A) * (gate_Tk.reshape(-1, 1) * kept_A[:, None]).to(
+            rows.dtype
+        )
         return weighted_A.view(T, k, cfg.d_model).sum(1).reshape(shape)
 
 
