@@ -34,6 +34,11 @@ Two shapes of list are offered, general enough for every attention kernel of the
     kernel whether it owns its rows alone. The bound on slots is ``max_splits`` times the
     key-tile bound.
 
+The slot arithmetic (the search, the ranges, the costs) runs in one small Triton kernel per level
+rather than as dozens of tiny PyTorch ops: each launch costs host time, and a work list built from
+thirty of them made the whole attention call host-bound. What remains in PyTorch is one
+``cumsum`` per level, the ``argsort`` and one gather.
+
 Each item is ``(seq, start, lo, hi)``: the sequence, the first row of the tile on the tiled side,
 and the half-open range ``[lo, hi)`` of rows on the other side to visit (``lo`` aligned down to
 ``align``). All tensors are int32 on the offsets' device, of length ``num_slots`` (a host int).
@@ -42,6 +47,8 @@ and the half-open range ``[lo, hi)`` of rows on the other side to visit (``lo`` 
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 __all__ = ["TileWorkList", "query_tiles", "key_tiles", "tile_slot_bound"]
 
@@ -69,31 +76,146 @@ def tile_slot_bound(total: int, batch: int, block: int) -> int:
     return max(1, -(-total // block) + batch)
 
 
-def _lengths(offsets_Bp1: torch.Tensor) -> torch.Tensor:
-    offsets = offsets_Bp1.to(torch.int64)
-    return offsets[1:] - offsets[:-1]
+_SLOTS_PER_PROGRAM = 128
 
 
-def _tiles_of(lengths_B: torch.Tensor, block: int, num_slots: int):
-    """(seq, index of the tile within its sequence, valid) for each of ``num_slots`` slots."""
-    tiles_B = (lengths_B + block - 1) // block
-    tile_ends_B = torch.cumsum(tiles_B, 0)
-    slot_W = torch.arange(num_slots, device=lengths_B.device, dtype=torch.int64)
-    seq_W = torch.searchsorted(tile_ends_B, slot_W, right=True)
-    valid_W = seq_W < lengths_B.numel()
-    seq_W = seq_W.clamp(max=max(lengths_B.numel() - 1, 0))
-    first_tile_W = tile_ends_B[seq_W] - tiles_B[seq_W] if lengths_B.numel() else slot_W
-    return seq_W, slot_W - first_tile_W, valid_W
+@triton.jit
+def _owner_of(ends_E, num_ends, slots_W, search_steps):
+    """Index of the first ``ends[e] > slot`` for each slot (binary search; ``num_ends`` if none)."""
+    lo_W = tl.zeros_like(slots_W)
+    hi_W = tl.zeros_like(slots_W) + num_ends
+    for _ in range(search_steps):
+        active_W = lo_W < hi_W
+        mid_W = (lo_W + hi_W) // 2
+        end_W = tl.load(ends_E + mid_W, mask=active_W & (mid_W < num_ends), other=0)
+        right_W = active_W & (end_W <= slots_W)
+        lo_W = tl.where(right_W, mid_W + 1, lo_W)
+        hi_W = tl.where(active_W & ~right_W, mid_W, hi_W)
+    return lo_W
 
 
-def _sorted(cost_W, valid_W, seq_W, start_W, lo_W, hi_W, splits_W, num_slots, block):
-    """Order the slots heaviest first; one stacked gather keeps the launch count low."""
-    cost_W = torch.where(valid_W, cost_W, -1)
-    seq_W = torch.where(valid_W, seq_W, -1)
+@triton.jit
+def _tile_slots_kernel(
+    tiled_offsets_Bp1, other_offsets_Bp1, tile_ends_B, fields_FW, cost_W,
+    num_seqs, num_slots, search_steps, block, align, split_rows, max_splits,
+    KEY_TILES: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
+    """Level one: slot -> (seq, start, lo, hi, splits, chunk, rows) for every tile of a side.
+
+    Query tiles (``KEY_TILES`` false) visit keys ``[0, hi)``; key tiles visit the queries that
+    can see them, ``[lo, hi)``, and get their split count and chunk length.
+    """
+    slots_W = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+    in_range_W = slots_W < num_slots
+    seq_W = _owner_of(tile_ends_B, num_seqs, slots_W, search_steps)
+    valid_W = in_range_W & (seq_W < num_seqs)
+    tiled_len_W = tl.load(tiled_offsets_Bp1 + seq_W + 1, mask=valid_W, other=0) - tl.load(
+        tiled_offsets_Bp1 + seq_W, mask=valid_W, other=0
+    )
+    other_len_W = tl.load(other_offsets_Bp1 + seq_W + 1, mask=valid_W, other=0) - tl.load(
+        other_offsets_Bp1 + seq_W, mask=valid_W, other=0
+    )
+    tiled_len_W = tiled_len_W.to(tl.int64)
+    other_len_W = other_len_W.to(tl.int64)
+    tile_end_W = tl.load(tile_ends_B + seq_W, mask=valid_W, other=0).to(tl.int64)
+    first_tile_W = tile_end_W - (tiled_len_W + block - 1) // block
+    start_W = (slots_W - first_tile_W) * block
+    rows_W = tl.minimum(tl.maximum(tiled_len_W - start_W, 0), block)
+    if KEY_TILES:
+        # Keys [start, start + rows) of a sequence with Lq queries and Lk keys.
+        lq_W = other_len_W
+        lo_W = tl.zeros_like(start_W)
+        if CAUSAL:
+            lo_W = tl.maximum(start_W - (tiled_len_W - lq_W), 0)
+        lo_W = tl.minimum(lo_W // align * align, lq_W)
+        hi_W = lq_W
+        span_W = hi_W - lo_W
+        splits_W = tl.minimum(tl.maximum((span_W + split_rows - 1) // split_rows, 1), max_splits)
+        chunk_W = (span_W + splits_W - 1) // splits_W
+        chunk_W = (chunk_W + align - 1) // align * align
+    else:
+        # Queries [start, start + rows) of a sequence with Lq queries and Lk keys.
+        lk_W = other_len_W
+        lo_W = tl.zeros_like(start_W)
+        hi_W = lk_W
+        if CAUSAL:
+            hi_W = tl.minimum(lk_W, tl.maximum(start_W + rows_W + lk_W - tiled_len_W, 0))
+        span_W = hi_W
+        splits_W = tl.zeros_like(start_W) + 1
+        chunk_W = span_W
+    cost_W_ = rows_W * span_W + block * block  # pairs visited plus a per-tile overhead
+    seq_W = tl.where(valid_W, seq_W, -1)
+    splits_W = tl.where(valid_W, splits_W, 0)
+    out_W = fields_FW + slots_W
+    tl.store(out_W, seq_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + num_slots, start_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 2 * num_slots, lo_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 3 * num_slots, hi_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 4 * num_slots, splits_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 5 * num_slots, chunk_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 6 * num_slots, rows_W.to(tl.int32), mask=in_range_W)
+    tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1), mask=in_range_W)
+
+
+@triton.jit
+def _split_slots_kernel(
+    tiles_FT, split_ends_T, fields_FW, cost_W, num_tiles, num_slots, search_steps, block,
+    SLOTS: tl.constexpr,
+):  # fmt: skip
+    """Level two: slot -> (key tile, chunk of its query range) for split key tiles."""
+    slots_W = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+    in_range_W = slots_W < num_slots
+    tile_W = _owner_of(split_ends_T, num_tiles, slots_W, search_steps)
+    valid_W = in_range_W & (tile_W < num_tiles)
+    seq_W = tl.load(tiles_FT + 0 * num_tiles + tile_W, mask=valid_W, other=-1)
+    start_W = tl.load(tiles_FT + 1 * num_tiles + tile_W, mask=valid_W, other=0)
+    lo_W = tl.load(tiles_FT + 2 * num_tiles + tile_W, mask=valid_W, other=0)
+    hi_W = tl.load(tiles_FT + 3 * num_tiles + tile_W, mask=valid_W, other=0)
+    splits_W = tl.load(tiles_FT + 4 * num_tiles + tile_W, mask=valid_W, other=0)
+    chunk_W = tl.load(tiles_FT + 5 * num_tiles + tile_W, mask=valid_W, other=0)
+    rows_W = tl.load(tiles_FT + 6 * num_tiles + tile_W, mask=valid_W, other=0)
+    split_end_W = tl.load(split_ends_T + tile_W, mask=valid_W, other=0).to(tl.int32)
+    chunk_lo_W = tl.minimum(lo_W + (slots_W - (split_end_W - splits_W)) * chunk_W, hi_W)
+    chunk_hi_W = tl.minimum(chunk_lo_W + chunk_W, hi_W)
+    cost_W_ = rows_W.to(tl.int64) * (chunk_hi_W - chunk_lo_W) + block * block
+    out_W = fields_FW + slots_W
+    tl.store(out_W, tl.where(valid_W, seq_W, -1).to(tl.int32), mask=in_range_W)
+    tl.store(out_W + num_slots, start_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 2 * num_slots, chunk_lo_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 3 * num_slots, chunk_hi_W.to(tl.int32), mask=in_range_W)
+    tl.store(out_W + 4 * num_slots, splits_W.to(tl.int32), mask=in_range_W)
+    tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1), mask=in_range_W)
+
+
+def _launch_slots(kernel, inputs, scalars, *, num_slots, num_fields, device, **constexprs):
+    """Run a slot kernel: ``kernel(*inputs, fields [F, W] int32, cost [W] int64, *scalars)``."""
+    fields_FW = torch.empty(num_fields, num_slots, dtype=torch.int32, device=device)
+    cost_W = torch.empty(num_slots, dtype=torch.int64, device=device)
+    grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
+    kernel[grid](*inputs, fields_FW, cost_W, *scalars, SLOTS=_SLOTS_PER_PROGRAM, **constexprs)
+    return fields_FW, cost_W
+
+
+def _tile_slots(tiled_offsets, other_offsets, *, total, block, causal, key_tiles_, align=1,
+                split_rows=1 << 30, max_splits=1):  # fmt: skip
+    num_seqs = tiled_offsets.numel() - 1
+    num_slots = tile_slot_bound(total, num_seqs, block)
+    tile_ends_B = torch.cumsum((torch.diff(tiled_offsets) + (block - 1)) // block, 0)
+    if num_seqs == 0:
+        tile_ends_B = torch.zeros(1, dtype=torch.int64, device=tiled_offsets.device)
+    return _launch_slots(
+        _tile_slots_kernel,
+        (tiled_offsets, other_offsets, tile_ends_B),
+        (num_seqs, num_slots, num_seqs.bit_length() + 1, block, align, split_rows, max_splits),
+        num_slots=num_slots, num_fields=7, device=tiled_offsets.device,
+        KEY_TILES=key_tiles_, CAUSAL=causal,
+    )  # fmt: skip
+
+
+def _sorted(fields_FW, cost_W, num_slots, block) -> TileWorkList:
+    """Order the slots heaviest first (stable, so equal costs keep their order)."""
     order_W = torch.argsort(cost_W, descending=True, stable=True)
-    fields_5W = torch.stack([seq_W, start_W, lo_W, hi_W, splits_W]).to(torch.int32)
-    fields_5W = fields_5W.index_select(1, order_W)
-    seq, start, lo, hi, splits = fields_5W.unbind(0)
+    seq, start, lo, hi, splits = fields_FW[:5].index_select(1, order_W).unbind(0)
     return TileWorkList(
         seq_W=seq,
         start_W=start,
@@ -118,23 +240,11 @@ def query_tiles(
     ``total_q`` is the host-known number of query tokens (``q.shape[0]``). With ``causal`` the
     key range ends just after the bottom-right diagonal of the tile's last row.
     """
-    lq_B = _lengths(q_offsets)
-    lk_B = lq_B if kv_offsets is None else _lengths(kv_offsets)
-    num_slots = tile_slot_bound(total_q, lq_B.numel(), block)
-    seq_W, tile_W, valid_W = _tiles_of(lq_B, block, num_slots)
-    if lq_B.numel() == 0:
-        lq_W = lk_W = torch.zeros_like(seq_W)
-    else:
-        lq_W, lk_W = lq_B[seq_W], lk_B[seq_W]
-    start_W = tile_W * block
-    rows_W = (lq_W - start_W).clamp(0, block)
-    hi_W = lk_W
-    if causal:
-        hi_W = torch.minimum(lk_W, (start_W + rows_W + lk_W - lq_W).clamp(min=0))
-    lo_W = torch.zeros_like(hi_W)
-    cost_W = rows_W * hi_W + block * block  # pairs visited plus a per-tile overhead
-    ones_W = torch.ones_like(seq_W)
-    return _sorted(cost_W, valid_W, seq_W, start_W, lo_W, hi_W, ones_W, num_slots, block)
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    fields_FW, cost_W = _tile_slots(
+        q_offsets, kv_offsets, total=total_q, block=block, causal=causal, key_tiles_=False
+    )
+    return _sorted(fields_FW, cost_W, fields_FW.shape[1], block)
 
 
 def key_tiles(
@@ -156,50 +266,22 @@ def key_tiles(
     into ``min(max_splits, cdiv(range, split_rows))`` chunks of whole ``align`` blocks. A tile
     seen by no query still gets one (empty) item, so that its dK/dV rows are written.
     """
-    lq_B = _lengths(q_offsets)
-    lk_B = lq_B if kv_offsets is None else _lengths(kv_offsets)
-    tile_slots = tile_slot_bound(total_kv, lk_B.numel(), block)
-    seq_T, tile_T, valid_T = _tiles_of(lk_B, block, tile_slots)
-    if lk_B.numel() == 0:
-        lq_T = lk_T = torch.zeros_like(seq_T)
-    else:
-        lq_T, lk_T = lq_B[seq_T], lk_B[seq_T]
-    start_T = tile_T * block
-    lo_T = torch.zeros_like(start_T)
-    if causal:
-        lo_T = (start_T - (lk_T - lq_T)).clamp(min=0)
-    lo_T = torch.minimum(lo_T // align * align, lq_T)
-    hi_T = lq_T
-    span_T = hi_T - lo_T
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     if split_rows is None or max_splits <= 1:
-        splits_T = torch.ones_like(span_T)
-        max_splits = 1
-    else:
-        splits_T = ((span_T + split_rows - 1) // split_rows).clamp(1, max_splits)
-    splits_T = torch.where(valid_T, splits_T, torch.zeros_like(splits_T))
-    chunk_T = (span_T + splits_T - 1) // splits_T.clamp(min=1)
-    chunk_T = (chunk_T + align - 1) // align * align
-
-    # Second level: slot -> (key tile, chunk of its query range).
-    num_slots = tile_slots * max_splits
-    split_ends_T = torch.cumsum(splits_T, 0)
-    slot_W = torch.arange(num_slots, device=lq_B.device, dtype=torch.int64)
-    tile_W = torch.searchsorted(split_ends_T, slot_W, right=True)
-    valid_W = slot_W < split_ends_T[-1]
-    tile_W = tile_W.clamp(max=tile_slots - 1)
-    chunk_index_W = slot_W - (split_ends_T[tile_W] - splits_T[tile_W])
-    lo_W = (lo_T[tile_W] + chunk_index_W * chunk_T[tile_W]).clamp(max=hi_T[tile_W])
-    hi_W = torch.minimum(lo_W + chunk_T[tile_W], hi_T[tile_W])
-    rows_W = (lk_T[tile_W] - start_T[tile_W]).clamp(0, block)
-    cost_W = rows_W * (hi_W - lo_W) + block * block
-    return _sorted(
-        cost_W,
-        valid_W,
-        seq_T[tile_W],
-        start_T[tile_W],
-        lo_W,
-        hi_W,
-        splits_T[tile_W],
-        num_slots,
-        block,
-    )
+        split_rows, max_splits = 1 << 30, 1
+    tiles_FT, cost_T = _tile_slots(
+        kv_offsets, q_offsets, total=total_kv, block=block, causal=causal, key_tiles_=True,
+        align=align, split_rows=split_rows, max_splits=max_splits,
+    )  # fmt: skip
+    num_tiles = tiles_FT.shape[1]
+    if max_splits == 1:
+        return _sorted(tiles_FT, cost_T, num_tiles, block)
+    num_slots = num_tiles * max_splits
+    split_ends_T = torch.cumsum(tiles_FT[4], 0)
+    fields_FW, cost_W = _launch_slots(
+        _split_slots_kernel,
+        (tiles_FT, split_ends_T),
+        (num_tiles, num_slots, num_tiles.bit_length() + 1, block),
+        num_slots=num_slots, num_fields=5, device=tiles_FT.device,
+    )  # fmt: skip
+    return _sorted(fields_FW, cost_W, num_slots, block)
