@@ -3,7 +3,8 @@ eager, measured in one run.
 
 Bandwidth = (bytes read once + bytes written once) / time: bf16 input, fp8 output(s), E8M0 scales.
 Rows: Q1 (1×32 along rows), Q1 with both row- and column-wise copies from one read (an extra
-row, the backward's need), Q2 (32×32 tiles), Q3 (RMSNorm fused with 1×32), and a device copy of
+row, the backward's need), Q1 fused with the merge to 1×128 blocks (what mxfp8 feeds Hopper's
+blockwise GEMM; fp8 bytes plus one float32 scale per 128, counted as the Q1 bytes), Q2 (32×32 tiles), Q3 (RMSNorm fused with 1×32), and a device copy of
 the Q1 tensor as the ceiling. ``--smoke`` runs tiny shapes on the CPU (anchors eager).
 """
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
 from gem_lowprec import rmsnorm_to_mx, to_mx, to_mx_2d, to_mx_rowcol  # noqa: E402
+from gem_lowprec.scaled_matmul import quantize_mx_k128  # noqa: E402
 
 E4M3_MAX = 448.0
 
@@ -69,6 +71,7 @@ def main():
         ("copy (ceiling)", bytes_q1 // 3 * 4, lambda: x.clone(), None, None),
         ("Q1 1x32 rows", bytes_q1, lambda: to_mx(x), lambda: f1(x), lambda: formula_1x32(x)),
         ("Q1 rows+cols, one read", bytes_rowcol, lambda: to_mx_rowcol(x), None, None),
+        ("Q1 + merge to 1x128", bytes_q1, lambda: quantize_mx_k128(x), None, None),
         ("Q2 32x32", bytes_q2, lambda: to_mx_2d(x), lambda: f2(x), lambda: formula_32x32(x)),
         (
             "Q3 rmsnorm+1x32",
@@ -113,6 +116,7 @@ def main():
         Q2_TBps=headline.get("Q2", float("nan")),
         Q3_TBps=headline.get("Q3", float("nan")),
         rowcol_TBps=rows[2][2],
+        merged_k128_TBps=rows[3][2],
     )
 
 

@@ -6,7 +6,8 @@ from gem_lowprec import LowPrecisionLinear, convert, recipe, to_mx
 from gem_lowprec.hadamard import inverse_random_hadamard, random_hadamard
 from gem_lowprec.linear import fallback_report
 from gem_lowprec.recipes import Recipe
-from gem_lowprec.scaled_matmul import merge_k128, mx_matmul
+from gem_lowprec.scaled_matmul import merge_k128, mx_matmul, quantize_mx_k128
+from gem_lowprec.testing import every_pattern_matrix, special_matrix
 from torch import nn
 
 
@@ -29,6 +30,18 @@ def test_merge_k128_is_exact_while_values_stay_normal():
     assert (
         merged[:, :32].abs() <= mx.dequantize()[:, :32].abs() * 2 + 2.0**-9 * scale[:, :1]
     ).all()
+
+
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fused_quantize_merge_kernel_bit_exact(elem):
+    """The Triton quantize+merge kernel equals merge_k128(to_mx(x)) on every finite bf16 pattern
+    (shuffled so that blocks of very different magnitude share a 1x128 group) and specials."""
+    x = every_pattern_matrix().reshape(-1, 128)
+    for t in (x, special_matrix().reshape(-1, 128)):
+        data, scale = quantize_mx_k128(t, elem, backend="triton")
+        ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
+        assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+        assert torch.allclose(scale, ref_scale, rtol=0, atol=0, equal_nan=True)
 
 
 def test_mx_matmul_emulation_is_the_dequantized_product():
@@ -170,3 +183,14 @@ def test_gpu_linear_matches_emulation(name):
     yc.float().pow(2).sum().backward()
     assert ((y.cpu().float() - yc.float()).norm() / yc.float().norm()) < 2e-2
     assert ((x.grad.cpu().float() - xc.grad.float()).norm() / xc.grad.float().norm()) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_gpu_fused_quantize_merge_bit_exact(elem):
+    x = every_pattern_matrix().reshape(-1, 128)
+    for t in (x, special_matrix().reshape(-1, 128)):
+        data, scale = quantize_mx_k128(t.cuda(), elem)
+        ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
+        assert torch.equal(data.cpu().view(torch.uint8), ref_data.view(torch.uint8))
+        assert torch.allclose(scale.cpu(), ref_scale, rtol=0, atol=0, equal_nan=True)

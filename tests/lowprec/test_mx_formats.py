@@ -8,42 +8,12 @@ import torch
 from gem_lowprec import MXTensor, to_mx, to_mx_2d, to_mx_rowcol
 from gem_lowprec.formats import E4M3, E5M2
 from gem_lowprec.ops.mx_quantize import reference
+from gem_lowprec.testing import all_finite_bf16, every_pattern_matrix, special_matrix
 from hypothesis import given
 from hypothesis import strategies as st
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 MODES = ["rceil", "floor"]
-
-
-def all_finite_bf16() -> torch.Tensor:
-    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    x = bits.view(torch.bfloat16)
-    return x[torch.isfinite(x)]  # 65280 finite patterns (with ±0 and subnormals)
-
-
-def every_pattern_matrix() -> torch.Tensor:
-    """All finite bf16 patterns, twice: in bit order (blocks of like magnitude) and shuffled
-    (blocks mixing magnitudes, so small elements meet large scales), as a [*, 64] matrix."""
-    x = all_finite_bf16()
-    shuffled = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
-    both = torch.cat([x, shuffled])
-    return both[: both.numel() // 2048 * 2048].view(-1, 64)
-
-
-def special_matrix() -> torch.Tensor:
-    """64×64 bf16 with a zero block/tile, NaN, ±Inf, subnormals, the largest bf16, ±0 mixes."""
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    x[0:32, 0:32] = 0.0
-    x[33, 32:64] = torch.tensor(2.0**-130).to(torch.bfloat16)  # subnormal row block
-    x[34:64, 32:64] = torch.tensor(-(2.0**-133)).to(torch.bfloat16)
-    x[32, 0] = float("nan")
-    x[40, 33] = float("inf")
-    x[0, 40] = -float("inf")
-    x[5, 5] = -0.0
-    big = torch.tensor([0x7F7F], dtype=torch.int16).view(torch.bfloat16)  # largest finite bf16
-    x[10, 35] = big[0]
-    x[11, 36] = -big[0]
-    return x
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

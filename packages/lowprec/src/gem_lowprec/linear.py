@@ -9,9 +9,10 @@ way, ``a @ bᵀ`` with both operands quantized along the contraction dim:
 | input-grad dx   | dy, along N        | Wᵀ, along N         | N           |
 | weight-grad dW  | dyᵀ, along M       | xᵀ, along M         | M (tokens)  |
 
-For ``mxfp8`` one read of W gives both of its copies (``to_mx_rowcol``: row-wise for the forward,
-column-wise, stored K-major, for the input-gradient), and likewise x and dy when the weight-grad
-is fp8; only fp8 copies are saved for backward (plus x in BF16 when the weight-grad is BF16).
+For ``mxfp8`` every operand goes through ``quantize_mx_k128``: MX quantization along the
+contraction dim and the merge of four E8M0 scales into a 1×128 block (one fused kernel on a GPU),
+then the blockwise fp8 GEMM. Wᵀ (the column-wise copy of W) is quantized in the forward and
+saved in fp8; x is saved in BF16 (the weight-gradient needs it in that precision or transposed).
 ``fp8_rowwise`` uses one scale per row of each operand.
 
 Fallback: a shape the fp8 path cannot take (K or N not a multiple of 128 for mxfp8, of 16 for
@@ -27,9 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_lowprec.hadamard import random_hadamard
-from gem_lowprec.ops.mx_quantize import to_mx, to_mx_rowcol
 from gem_lowprec.recipes import Recipe
-from gem_lowprec.scaled_matmul import mx_matmul, quantize_rowwise, rowwise_matmul
+from gem_lowprec.scaled_matmul import (
+    blockwise_matmul,
+    quantize_mx_k128,
+    quantize_rowwise,
+    rowwise_matmul,
+)
 
 _DECISIONS: dict[tuple, tuple[bool, str]] = {}
 
@@ -65,11 +70,12 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         out_dtype = x.dtype
         ctx.out_dtype = out_dtype
         if recipe.name == "mxfp8":
-            mx = dict(elem_dtype=q.elem_dtype, scale_mode=q.scale_mode)
-            x_rows = to_mx(x, **mx)
-            w_rows, w_cols = to_mx_rowcol(w, **mx)
-            y = mx_matmul(x_rows, w_rows, out_dtype)
-            ctx.w_for_dgrad = w_cols.t()  # Wᵀ [K, N], blocks along N, contiguous bytes
+            mx = dict(scale_mode=q.scale_mode)
+            x_k128 = quantize_mx_k128(x, q.elem_dtype, **mx)
+            w_k128 = quantize_mx_k128(w, q.elem_dtype, **mx)
+            y = blockwise_matmul(*x_k128, *w_k128, out_dtype)
+            # Wᵀ [K, N] with blocks along N: the column-wise MX copy of W, merged along N
+            ctx.w_for_dgrad = quantize_mx_k128(w.t().contiguous(), q.elem_dtype, **mx)
         else:
             xq, xs = quantize_rowwise(x, q.elem_dtype)
             wq, ws = quantize_rowwise(w, q.elem_dtype)
@@ -85,8 +91,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         q = recipe.quant
         dy = dy.contiguous()
         if recipe.name == "mxfp8":
-            dy_rows = to_mx(dy, elem_dtype=q.grad_elem_dtype, scale_mode=q.scale_mode)
-            dx = mx_matmul(dy_rows, ctx.w_for_dgrad, ctx.out_dtype)
+            dy_k128 = quantize_mx_k128(dy, q.grad_elem_dtype, scale_mode=q.scale_mode)
+            dx = blockwise_matmul(*dy_k128, *ctx.w_for_dgrad, ctx.out_dtype)
         else:
             dyq, dys = quantize_rowwise(dy, q.grad_elem_dtype)
             wtq, wts = ctx.w_for_dgrad
@@ -102,9 +108,9 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             x_t = random_hadamard(x_t, block_size=block, seed=seed).to(x.dtype)
         if recipe.name == "mxfp8":
             mx = dict(scale_mode=q.scale_mode)
-            a = to_mx(dy_t.contiguous(), elem_dtype=q.grad_elem_dtype, **mx)
-            b = to_mx(x_t.contiguous(), elem_dtype=q.elem_dtype, **mx)
-            dw = mx_matmul(a, b, x.dtype)
+            a = quantize_mx_k128(dy_t.contiguous(), q.grad_elem_dtype, **mx)
+            b = quantize_mx_k128(x_t.contiguous(), q.elem_dtype, **mx)
+            dw = blockwise_matmul(*a, *b, x.dtype)
         else:
             aq, as_ = quantize_rowwise(dy_t, q.grad_elem_dtype)
             bq, bs = quantize_rowwise(x_t, q.elem_dtype)

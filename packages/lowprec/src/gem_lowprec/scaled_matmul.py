@@ -43,6 +43,31 @@ def merge_k128(mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale_to_float(byte_max.squeeze(-1).to(torch.uint8))
 
 
+def quantize_mx_k128(
+    x: torch.Tensor,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    scale_mode: str = "rceil",
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_k128(to_mx(x))`` for a 2-D ``x`` whose last dim is a multiple of 128; on a GPU one
+    fused kernel (quantize, merge, re-encode) with the same bits."""
+    from gem_lowprec.formats import elem_format, resolve_backend
+    from gem_lowprec.ops.mx_quantize import to_mx
+
+    if x.dim() != 2 or x.shape[1] % 128:
+        raise ValueError(
+            f"x must be 2-D with a last dim that is a multiple of 128, got {tuple(x.shape)}"
+        )
+    if resolve_backend(backend, x.device) == "triton":
+        from gem_lowprec.ops.mx_quantize import triton as kernels
+
+        fmt = elem_format(elem_dtype)
+        data, scale = kernels.mx_quantize_merged_k128(x.contiguous(), fmt, scale_mode=scale_mode)
+        return data.view(elem_dtype), scale
+    return merge_k128(to_mx(x, elem_dtype=elem_dtype, scale_mode=scale_mode, backend=backend))
+
+
 def _expand_k(scale: torch.Tensor, block: int) -> torch.Tensor:
     return scale.repeat_interleave(block, dim=-1)
 

@@ -139,6 +139,23 @@ def encode(
 
 
 @triton.jit
+def decode(
+    q, E4M3: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, HW_CONVERT: tl.constexpr
+):
+    """fp8 bytes (int32) -> exact float32 values (NaN bytes are the caller's business)."""
+    if HW_CONVERT:
+        if E4M3:
+            return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return q.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    exp_field = (q & 0x7F) >> MBITS
+    mantissa = q & ((1 << MBITS) - 1)
+    normal_bits = ((exp_field - (1 - EMIN) + 127) << 23) | (mantissa << (23 - MBITS))
+    subnormal = mantissa.to(tl.float32) * (2.0 ** (EMIN - MBITS))
+    magnitude = tl.where(exp_field > 0, normal_bits.to(tl.float32, bitcast=True), subnormal)
+    return tl.where((q & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def mx_quantize_kernel(
     x_ptr,
     row_data_ptr,
@@ -259,6 +276,7 @@ def mx_quantize_rows_kernel(
     x_ptr,
     data_ptr,
     scale_ptr,
+    group_scale_ptr,
     n_blocks,
     seed_key,
     BLOCKS: tl.constexpr,
@@ -274,10 +292,17 @@ def mx_quantize_rows_kernel(
     STOCHASTIC: tl.constexpr,
     IN_BF16: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
+    MERGE_K128: tl.constexpr,
 ):
     """Row-wise 1×32 blocks of a contiguous tensor: block ``b`` is elements ``32b .. 32b+31`` and
     its scale is byte ``b``, so a program is a ``[BLOCKS, 32]`` slab of consecutive blocks (one
-    contiguous read, one contiguous write, one contiguous scale write)."""
+    contiguous read, one contiguous write, one contiguous scale write).
+
+    ``MERGE_K128`` (rows a multiple of 128 long) then merges each run of four blocks into one
+    1×128 block for Hopper's blockwise GEMM, exactly as ``scaled_matmul.merge_k128`` does: the
+    group scale is the largest of the four, each block's fp8 values are decoded, shifted down by
+    the difference in whole binades and re-encoded (round-to-nearest-even; exact unless a value
+    leaves the normal range). It stores the merged bytes and one float32 scale per group."""
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     if WIDE_INDEX:
         blk = blk.to(tl.int64)
@@ -293,8 +318,26 @@ def mx_quantize_rows_kernel(
     q = encode(
         x, byte_B1, noise, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, STOCHASTIC
     )
+    if MERGE_K128:
+        G: tl.constexpr = BLOCKS // 4
+        byte_G = tl.max(tl.reshape(byte_B1, [G, 4]), axis=1)
+        byte_max_B1 = tl.reshape(tl.broadcast_to(byte_G[:, None], [G, 4]), [BLOCKS, 1])
+        shift_B1 = tl.minimum(byte_max_B1 - byte_B1, 126)
+        down_B1 = ((127 - shift_B1) << 23).to(tl.float32, bitcast=True)  # 2^-shift
+        v = decode(q.to(tl.int32), E4M3, MBITS, EMIN, HW_CONVERT) * down_B1
+        unit_B1 = tl.where(byte_max_B1 == 255, 255, 127)  # scale 2^0, or NaN for NaN groups
+        q = encode(
+            v, unit_B1, noise, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+        )
+        grp = tl.program_id(0) * G + tl.arange(0, G)
+        group_bits = tl.where(byte_G == 0, 0x00400000, byte_G << 23)  # 2^-127 is subnormal
+        group_bits = tl.where(byte_G == 255, 0x7FC00000, group_bits)
+        tl.store(
+            group_scale_ptr + grp, group_bits.to(tl.float32, bitcast=True), mask=grp < n_blocks // 4
+        )
+    else:
+        tl.store(scale_ptr + blk[:, None], byte_B1.to(tl.uint8), mask=in_bounds_B[:, None])
     tl.store(data_ptr + offs_B32, q, mask=mask_B32)
-    tl.store(scale_ptr + blk[:, None], byte_B1.to(tl.uint8), mask=in_bounds_B[:, None])
 
 
 _ROWS_CONFIGS = [
@@ -302,7 +345,8 @@ _ROWS_CONFIGS = [
     for b, w in [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8), (1024, 8)]
 ]
 _tuned_rows_kernel = triton.autotune(
-    configs=_ROWS_CONFIGS, key=["n_blocks", "E4M3", "HW_CONVERT", "IN_BF16", "STOCHASTIC"]
+    configs=_ROWS_CONFIGS,
+    key=["n_blocks", "E4M3", "HW_CONVERT", "IN_BF16", "STOCHASTIC", "MERGE_K128"],
 )(mx_quantize_rows_kernel)
 
 
@@ -403,9 +447,28 @@ def mx_quantize(
     return row_data, row_scale, col_data, col_scale
 
 
-def _launch_rows(x_arg, data, scale, fmt, scale_mode, seed, force_integer, in_bf16, wide):
+def mx_quantize_merged_k128(x_MK: torch.Tensor, fmt: ElemFormat, *, scale_mode: str):
+    """MX-quantize rows of a contiguous ``[M, K]`` (K % 128 == 0) and merge to 1×128 blocks:
+    returns (fp8 bytes uint8 ``[M, K]``, float32 scales ``[M, K/128]``)."""
+    M, K = x_MK.shape
+    data = torch.empty((M, K), dtype=torch.uint8, device=x_MK.device)
+    group_scale = torch.empty((M, K // 128), dtype=torch.float32, device=x_MK.device)
+    if M == 0:
+        return data, group_scale
+    in_bf16 = x_MK.dtype == torch.bfloat16
+    x_arg = x_MK.view(torch.int16) if in_bf16 else x_MK
+    wide = x_MK.numel() >= 2**31 - 2**20
+    _launch_rows(x_arg, data, data, group_scale, fmt, scale_mode, None, False, in_bf16, wide)
+    return data, group_scale
+
+
+def _launch_rows(
+    x_arg, data, scale, group_scale, fmt, scale_mode, seed, force_integer, in_bf16, wide
+):
     n_blocks = x_arg.numel() // 32
+    merge = group_scale is not None
     constants = dict(
+        MERGE_K128=merge,
         RCEIL=scale_mode == "rceil",
         HW_CONVERT=use_hw_convert(x_arg, force_integer),
         STOCHASTIC=seed is not None,
@@ -413,7 +476,7 @@ def _launch_rows(x_arg, data, scale, fmt, scale_mode, seed, force_integer, in_bf
         WIDE_INDEX=wide,
         **format_constants(fmt),
     )
-    args = (x_arg, data, scale, n_blocks, seed_key(seed or 0))
+    args = (x_arg, data, scale, group_scale if merge else scale, n_blocks, seed_key(seed or 0))
     if INTERPRETING or not x_arg.is_cuda:
         blocks = 512
         mx_quantize_rows_kernel[(triton.cdiv(n_blocks, blocks),)](*args, BLOCKS=blocks, **constants)
