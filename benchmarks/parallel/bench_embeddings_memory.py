@@ -17,6 +17,7 @@ Usage: ``python benchmarks/parallel/bench_embeddings_memory.py [--smoke]``.
 """
 
 import argparse
+import os
 import socket
 import sys
 import time
@@ -144,6 +145,10 @@ def _worker(rank: int, world: int, port: int, device_type: str, shape) -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without interpreter teardown: gloo's worker threads, joined while Python finalizes,
+    # occasionally abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:

@@ -199,6 +199,10 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
     _check_fsdp_hook(device)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without interpreter teardown: gloo's worker threads, joined while Python finalizes,
+    # occasionally abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,17 @@ def _outputs(out):
     }
 
 
+def _wait_released(sharded, timeout_s: float = 5.0) -> None:
+    """Gathered blocks are freed once the forward pass is over. gloo's worker thread drops its
+    reference to a finished collective's output a moment after ``wait()`` returns, so poll."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while sharded.live_gathered.now and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sharded.live_gathered.now == 0, "gathered blocks outlived the forward pass"
+
+
 def _check_case(mesh, rank, device, *, tables, pooling, fully_sharded, prefetch, weighted):
     from gem_parallel.embeddings import EmbeddingTables, ShardingConfig, shard_embeddings
 
@@ -125,7 +136,7 @@ def _check_case(mesh, rank, device, *, tables, pooling, fully_sharded, prefetch,
     batches = [_batch(tables, seed, device=device, weighted=weighted) for seed in range(world)]
     out = sharded(batches[rank])
     if fully_sharded:
-        assert sharded.live_gathered.now == 0, "gathered blocks outlived the forward pass"
+        _wait_released(sharded)
         assert 0 < sharded.live_gathered.peak <= sharded.prefetch_buffer_bytes()
     _loss(out, rank).backward()
 
@@ -160,6 +171,7 @@ def _check_memory(mesh, device):
     full = shard_embeddings(ref, mesh=mesh, config=ShardingConfig(fully_sharded=True))
     kjt = _batch(tables, seed=int(mesh.get_rank()), device=device)
     full(kjt)
+    _wait_released(full)
     assert full.persistent_bytes() * REPLICAS == two_d.persistent_bytes()
     assert full.live_gathered.peak <= full.prefetch_buffer_bytes()
     per_rank_full = full.persistent_bytes() + full.live_gathered.peak
@@ -205,6 +217,10 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
     _check_memory(mesh, device)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without interpreter teardown: gloo's worker threads, joined while Python finalizes,
+    # occasionally abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
