@@ -11,7 +11,7 @@ stalls the GPU). Here every (expert, source rank) pair owns a fixed number of *s
 capacity ``C``, so the buffers have static shapes:
 
 1. Each (token, choice) gets a slot: its rank among the assignments to the same expert, in token
-   order (a cumulative sum of one-hot rows). Assignments with slot >= C are dropped and counted in
+   order (a stable sort by expert; see ``_slots``). Assignments with slot >= C are dropped and counted in
    ``MoE.dropped_assignments`` (a device tensor: reading it is the caller's choice, never a hidden
    sync). With ``capacity_factor=None`` the capacity is the local token count, which no expert
    can exceed (a token picks an expert at most once), so nothing is ever dropped; a capacity
@@ -103,6 +103,22 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+def _slots(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each assignment's rank among the assignments to the same expert, in assignment order.
+
+    A stable sort groups the assignments by expert; an assignment's slot is its position in the
+    sorted order minus where its expert's group starts (counts by ``scatter_add``: ``bincount``
+    would read its size on the host). O(A log A) time and O(A + E) memory, no host sync.
+    """
+    A = expert_A.numel()
+    sorted_expert_A, order_A = torch.sort(expert_A, stable=True)
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_A.device)
+    counts_E.scatter_add_(0, expert_A, torch.ones_like(expert_A))
+    starts_E = counts_E.cumsum(0) - counts_E
+    position_A = torch.arange(A, device=expert_A.device)
+    return torch.empty_like(expert_A).scatter_(0, order_A, position_A - starts_E[sorted_expert_A])
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SiLU feed-forwards stored as two batched weights ``[E, d, h]``, ``[E, h, d]``."""
 
@@ -163,8 +179,7 @@ class MoE(nn.Module):
         probs_TE = torch.softmax(self.router(x_Td).float(), dim=-1)
         gate_Tk, expert_Tk = torch.topk(probs_TE, k, dim=-1)
         expert_A = expert_Tk.reshape(-1)  # A = T·k assignments, token-major
-        onehot_AE = F.one_hot(expert_A, E)
-        slot_A = (onehot_AE.cumsum(0) - 1).gather(1, expert_A[:, None]).squeeze(1)
+        slot_A = _slots(expert_A, E)
         kept_A = slot_A < C
         self.dropped_assignments = (~kept_A).sum()
         trash = E * C  # one spare row takes every dropped assignment
