@@ -45,21 +45,27 @@ def _gemm(n: int, device):
 
 
 def _overlapped_ms(gemm, comm, *, gemm_iters: int, comm_iters: int) -> float:
-    """Time per GEMM on the compute stream while ``comm`` runs ``comm_iters`` times beside it."""
+    """Time per GEMM on the compute stream while ``comm`` runs ``comm_iters`` times beside it.
+
+    Launches interleave (a few collectives on the side stream, then one GEMM), so the GEMMs never
+    wait for the host to finish queuing every collective first.
+    """
     main = torch.cuda.current_stream()
     side = torch.cuda.Stream()
+    per_gemm = -(-comm_iters // gemm_iters)
     times = []
     for _ in range(5):
         torch.cuda.synchronize()
         if dist.is_initialized():
             dist.barrier()
+            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         side.wait_stream(main)
         start.record(main)
-        with torch.cuda.stream(side):
-            for _ in range(comm_iters):
-                comm()
         for _ in range(gemm_iters):
+            with torch.cuda.stream(side):
+                for _ in range(per_gemm):
+                    comm()
             gemm()
         end.record(main)
         main.wait_stream(side)

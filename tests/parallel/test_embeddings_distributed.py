@@ -28,10 +28,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(device: str, world: int, timeout: int) -> None:
+def _run(device: str, world: int, timeout: int, backend: str = "native") -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), "--device", device, "--world", str(world)],
+        [
+            sys.executable,
+            str(Path(__file__)),
+            "--device",
+            device,
+            "--world",
+            str(world),
+            "--backend",
+            backend,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -50,6 +59,16 @@ def test_sharded_embeddings_match_unsharded_on_gpus():
     if torch.cuda.device_count() < 4:
         pytest.skip(f"needs 4 GPUs for the 2 x 2 mesh; {torch.cuda.device_count()} present")
     _run("cuda", 4, timeout=300)
+
+
+@pytest.mark.multigpu
+def test_torchrec_backend_matches_unsharded_on_gpus():
+    """torchrec's DMPCollection (fully sharded, row-wise) against the unsharded tables: forward
+    only, since torchrec applies its fused optimizer inside backward and leaves no gradients."""
+    pytest.importorskip("torchrec")
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"needs 4 GPUs for the 2 x 2 mesh; {torch.cuda.device_count()} present")
+    _run("cuda", 4, timeout=300, backend="torchrec")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +197,29 @@ def _check_memory(mesh, device):
     assert per_rank_full <= two_d.persistent_bytes() / REPLICAS + full.prefetch_buffer_bytes()
 
 
-def _worker(rank: int, world: int, port: int, device_type: str) -> None:
+def _check_torchrec(mesh, rank, device):
+    from gem_parallel.embeddings import (
+        EmbeddingTables,
+        ShardingConfig,
+        TableConfig,
+        shard_embeddings,
+    )
+
+    tables = [TableConfig("t0", 64, 8, ("a", "b")), TableConfig("t1", 32, 8, ("c",))]
+    for pooling in ("sum", "none"):
+        ref = EmbeddingTables(
+            tables, pooling=pooling, generator=torch.Generator().manual_seed(7), device=device
+        )
+        sharded = shard_embeddings(
+            ref, backend="torchrec", mesh=mesh, device=device, config=ShardingConfig()
+        )
+        kjt = _batch(tables, rank, device=device)
+        out, expected = _outputs(sharded(kjt)), _outputs(ref(kjt))
+        for name, value in expected.items():
+            _assert_close(out[name], value, msg=f"torchrec forward {pooling} {name}")
+
+
+def _worker(rank: int, world: int, port: int, device_type: str, backend_name: str) -> None:
     import torch.distributed as dist
     from gem_parallel.embeddings import TableConfig
     from torch.distributed.device_mesh import init_device_mesh
@@ -194,6 +235,12 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
     mesh = init_device_mesh(
         device_type, (REPLICAS, world // REPLICAS), mesh_dim_names=("replicate", "model_parallel")
     )
+    if backend_name == "torchrec":
+        _check_torchrec(mesh, rank, device)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
     # t0 has 37 rows: blocks of 19 and 18, shards of 10 rows with padding; t1 divides evenly.
     tables = [TableConfig("t0", 37, 8, ("a", "b")), TableConfig("t1", 64, 4, ("c",))]
     cases = [
@@ -231,6 +278,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--world", type=int, default=WORLD)
+    parser.add_argument("--backend", choices=["native", "torchrec"], default="native")
     args = parser.parse_args()
-    mp.spawn(_worker, args=(args.world, _free_port(), args.device), nprocs=args.world)
+    mp.spawn(_worker, args=(args.world, _free_port(), args.device, args.backend), nprocs=args.world)
     print(f"all {args.world} ranks passed")
