@@ -138,6 +138,8 @@ def test_bad_arguments_are_named():
         BaseBatchShuffler([], cost=float, local_batch_size=0)
     with pytest.raises(ValueError, match="max_delay"):
         BaseBatchShuffler([], cost=float, local_batch_size=4, max_delay=-1)
+    with pytest.raises(ValueError, match="seed"):
+        BaseBatchShuffler([], cost=float, local_batch_size=4, seed=-1)
     with pytest.raises(ValueError, match="expected_cost"):
         BaseBatchShuffler([], cost=float, local_batch_size=4, expected_cost=0.0)
     with pytest.raises(TypeError, match="sub_batches"):

@@ -64,6 +64,8 @@ class ShufflerConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if self.local_batch_size < 1:
             raise ValueError(f"local_batch_size must be >= 1, got {self.local_batch_size}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.lookahead < 0 or self.max_delay < 0:
             raise ValueError(
                 f"lookahead and max_delay must be >= 0, got {self.lookahead} and {self.max_delay}"
