@@ -61,3 +61,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def toy_factory():
+    """``(make_toy, toy_batch)``: test modules cannot import conftest under importlib mode."""
+    return make_toy, toy_batch

@@ -148,8 +148,8 @@ def _mlp_grads(x, fmt=None, *, min_bytes=0):
 
 
 # Relative (Frobenius) gradient error of a Linear-GELU-Linear MLP on Gaussian data, stated in the
-# README: per-row FP8 and MXFP8 within 2^-4, MXFP4 within 2^-1.
-GRAD_BOUNDS = {"fp8_e4m3": 2.0**-4, "mxfp8": 2.0**-4, "mxfp4": 2.0**-1}
+# README: per-row FP8 and MXFP8 within 2^-4, MXFP4 within 2^-2 (measured: 0.025 and 0.12).
+GRAD_BOUNDS = {"fp8_e4m3": 2.0**-4, "mxfp8": 2.0**-4, "mxfp4": 2.0**-2}
 
 
 @pytest.mark.parametrize("fmt", list(GRAD_BOUNDS))

@@ -35,11 +35,15 @@ class CheckpointPlan:
     cost: str  # "time" (ms per step) or "flops"
     profile: ModelProfile
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Set each region's policy on ``model`` in place (any earlier plan is replaced)."""
+    def apply(self, model: torch.nn.Module, *, compile=None) -> torch.nn.Module:
+        """Set each region's policy on ``model`` in place (any earlier plan is replaced).
+
+        ``compile`` (e.g. ``torch.compile``) compiles each region's forward with its policy
+        inside; compiling the whole model afterwards (``torch.compile(model)``) works too.
+        """
         modules = resolve_regions(model, list(self.policies))
         for name, policy in self.policies.items():
-            set_policy(modules[name], policy, self.profile.quantized)
+            set_policy(modules[name], policy, self.profile.quantized, compile=compile)
         return model
 
     def remove(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -95,6 +99,7 @@ def plan_checkpointing(
     quantized_min_bytes: int = 64 * 1024,
     loss_fn=None,
     cost: str = "time",
+    compile=None,
     profile: ModelProfile | None = None,
 ) -> CheckpointPlan:
     """Choose a policy per region so that a training step's predicted peak fits ``budget_bytes``.
@@ -105,6 +110,8 @@ def plan_checkpointing(
     ``policies``: the policies allowed, a subset of ``("keep", "selective", "full", "quantized")``.
     ``loss_fn``: maps the model's output to the scalar loss (default: the sum of its outputs).
     ``cost``: what to minimise, measured recompute ``"time"`` or recomputed ``"flops"``.
+    ``compile``: profile the regions compiled by this function (e.g. ``torch.compile``), as
+    ``plan.apply(model, compile=...)`` will run them.
     ``profile``: a ``ModelProfile`` from ``profile_model`` to plan again without profiling.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -117,6 +124,7 @@ def plan_checkpointing(
             loss_fn=loss_fn,
             policies=policies,
             quantized=QuantizedConfig(quantized_format, quantized_min_bytes),
+            compile=compile,
         )
     elif regions is not None and set(regions) != {r.name for r in profile.regions}:
         raise ValueError(

@@ -93,12 +93,11 @@ def wrap_forward(forward, policy: str, quantized: QuantizedConfig | None = None)
 
         # The pack hook keeps Python state (which storages were packed), which torch.compile
         # cannot trace: under compile a quantized region runs eagerly, the rest stays compiled.
-        @torch.compiler.disable
         def quantized_forward(*args, **kwargs):
             with saved_tensor_packing(config):
                 return forward(*args, **kwargs)
 
-        return functools.wraps(forward)(quantized_forward)
+        return torch.compiler.disable(functools.wraps(forward)(quantized_forward))
     raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
 
 
@@ -108,18 +107,34 @@ def original_forward(module: torch.nn.Module):
     return saved[1] if saved is not None else module.forward
 
 
-def set_policy(module: torch.nn.Module, policy: str, quantized: QuantizedConfig | None = None):
-    """Run ``module`` under ``policy`` from now on (``keep`` restores the original forward)."""
-    if policy == "keep" and _ATTR not in module.__dict__:
+def set_policy(
+    module: torch.nn.Module,
+    policy: str,
+    quantized: QuantizedConfig | None = None,
+    *,
+    compile=None,
+):
+    """Run ``module`` under ``policy`` from now on.
+
+    ``compile``: ``None``, or a function such as ``torch.compile`` applied to the policy's forward
+    (compiling the forward, not the module's ``__call__``, keeps module hooks outside the graph and
+    the checkpoint inside it); ``quantized`` regions are never compiled. ``keep`` without
+    ``compile`` restores the original forward.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    if policy == "keep" and compile is None and _ATTR not in module.__dict__:
         return
     if _ATTR not in module.__dict__:
         module.__dict__[_ATTR] = ("forward" in module.__dict__, module.forward)
     had_own_forward, forward = module.__dict__[_ATTR]
-    if policy == "keep":
+    if policy == "keep" and compile is None:
         del module.__dict__[_ATTR]
         if had_own_forward:
             module.forward = forward
         else:
             del module.forward
         return
-    module.forward = wrap_forward(forward, policy, quantized)
+    wrapped = wrap_forward(forward, policy, quantized)
+    # A quantized region stays eager: its hooks hold Python state that cannot be traced.
+    module.forward = compile(wrapped) if compile is not None and policy != "quantized" else wrapped

@@ -127,17 +127,14 @@ class _Isolated:
         self.cloned = cloned
         self.grads = grads
 
-    def step(self, meter=None, *, eager=False):
-        """Forward + backward; with a meter, returns (input bytes, forward mark, backward mark).
-
-        ``eager`` bypasses a ``module.compile()`` (FLOP counting needs the aten ops)."""
+    def step(self, meter=None):
+        """Forward + backward; with a meter, returns (input bytes, forward mark, backward mark)."""
         flat = [
             leaf.clone() if c else leaf for leaf, c in zip(self.leaves, self.cloned, strict=True)
         ]
         in_bytes = meter.live if meter is not None else 0
         args, kwargs = tree_unflatten(flat, self.spec)
-        call = self.module._call_impl if eager else self.module
-        out = call(*args, **kwargs)
+        out = self.module(*args, **kwargs)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if len(outs) != len(self.grads):
             raise RuntimeError(
@@ -154,11 +151,15 @@ class _Isolated:
             p.grad = None
         return in_bytes, forward, backward
 
-    def measure(self, policy: str, quantized: QuantizedConfig, *, reps: int) -> PolicyProfile:
-        set_policy(self.module, policy, quantized)
+    def measure(self, policy: str, quantized: QuantizedConfig, *, reps: int, compile=None):
         device = self.grads[0].device if self.grads else torch.device("cpu")
         try:
-            self.step()  # warm-up: one-time allocations (workspaces, compilation) happen here
+            set_policy(self.module, policy, quantized)
+            with FlopCounterMode(display=False) as counter:  # eager: the counter sees aten ops
+                self.step()
+            set_policy(self.module, policy, quantized, compile=compile)
+            if device.type == "cuda" or compile is not None:
+                self.step()  # warm-up: workspaces and compilation are not the region's memory
             meter = make_meter(device)
             with meter:
                 meter.mark()
@@ -170,8 +171,6 @@ class _Isolated:
                 self.step()
                 _sync(device)
                 times.append((time.perf_counter() - t0) * 1e3)
-            with FlopCounterMode(display=False) as counter:
-                self.step(eager=True)
         finally:
             set_policy(self.module, "keep")
         return PolicyProfile(
@@ -185,7 +184,7 @@ class _Isolated:
 
 def _forward_flops(module, args, kwargs) -> float:
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        module._call_impl(*args, **kwargs)
+        module(*args, **kwargs)
     return float(counter.get_total_flops())
 
 
@@ -198,8 +197,13 @@ def profile_model(
     policies=POLICIES,
     quantized: QuantizedConfig | None = None,
     timing_reps: int = 3,
+    compile=None,
 ) -> ModelProfile:
     """Measure every region under every policy in ``policies`` (see the module docstring).
+
+    ``compile`` (e.g. ``torch.compile``) is applied to each region's forward as
+    ``CheckpointPlan.apply(model, compile=...)`` will apply it, so that memory and time are those
+    of the compiled regions; FLOPs are always counted eagerly.
 
     The model's gradients and random-number state are restored afterwards, and any policy set on a
     region before (an applied plan) is put back.
@@ -223,9 +227,9 @@ def profile_model(
             static = static_bytes(model, *inputs)
             captured, order = _capture(model, inputs, named)
             shared = _shared_masks(captured, order, model, inputs)
-            timeline = _timeline(model, inputs, named, order, shared, loss_fn, device)
+            timeline = _timeline(model, inputs, named, order, shared, loss_fn, device, compile)
             profiles = _isolate(
-                named, order, captured, shared, timeline, policies, quantized, timing_reps
+                named, order, captured, shared, timeline, policies, quantized, timing_reps, compile
             )
             return _assemble(profiles, timeline, order, static, quantized, device)
     finally:
@@ -328,7 +332,7 @@ def _shared_masks(captured, order, model, inputs) -> dict[str, list[bool]]:
     }
 
 
-def _timeline(model, inputs, named, order, shared, loss_fn, device) -> _Timeline:
+def _timeline(model, inputs, named, order, shared, loss_fn, device, compile) -> _Timeline:
     """One kept step under the meter, with a mark at each region's forward and backward edges."""
     index = {name: i for i, name in enumerate(order)}
     tl = _Timeline()
@@ -386,7 +390,14 @@ def _timeline(model, inputs, named, order, shared, loss_fn, device) -> _Timeline
 
     handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in named.items()]
     handles += [m.register_forward_hook(post_hook(n), with_kwargs=True) for n, m in named.items()]
+    for m in named.values():
+        set_policy(m, "keep", compile=compile)
     try:
+        if compile is not None or device.type == "cuda":  # warm-up, as in _Isolated.measure
+            loss_fn(model(*inputs)).backward()
+            tl.events.clear()
+            for p in model.parameters():
+                p.grad = None
         with meter:
             meter.mark()
             loss = loss_fn(model(*inputs))
@@ -396,6 +407,8 @@ def _timeline(model, inputs, named, order, shared, loss_fn, device) -> _Timeline
     finally:
         for h in handles:
             h.remove()
+        for m in named.values():
+            set_policy(m, "keep")
         for p in model.parameters():
             p.grad = None
     _exits_first(tl.events)
@@ -411,7 +424,7 @@ def _exits_first(events) -> None:
             events[k], events[k + 1] = (kind_b, events[k + 1][1], a), (kind_a, events[k][1], b)
 
 
-def _isolate(named, order, captured, shared, tl, policies, quantized, reps):
+def _isolate(named, order, captured, shared, tl, policies, quantized, reps, compile):
     profiles = {}
     for name in order:
         module = named[name]
@@ -427,7 +440,7 @@ def _isolate(named, order, captured, shared, tl, policies, quantized, reps):
         measured = {}
         in_bytes = 0
         for policy in policies:
-            measured[policy], in_bytes = iso.measure(policy, quantized, reps=reps)
+            measured[policy], in_bytes = iso.measure(policy, quantized, reps=reps, compile=compile)
         profiles[name] = (in_bytes, _forward_flops(module, args, kwargs), measured)
     return profiles
 
