@@ -21,12 +21,17 @@ Backward, dK/dV kernel (one program per (key tile, query-range chunk, head))
     one 20k-token sequence spreads over many programs. Chunks of a split tile add their partial
     dK/dV into a float32 scratch with atomics; unsplit tiles store directly.
 
-Backward, dQ kernel (one program per (query tile, head), the forward's work list)
+Backward, dQ kernel (one program per (query tile, head), a query work list like the forward's)
     Mirrors the forward loop: ``dQ += dS K``. It also owns the relative-bias gradient: each
     program reduces ``dS`` of its tiles by diagonal into its own row of a partial buffer (the two
     clamped edge buckets take one masked tile sum each; only tiles crossing the band |j − i| < R
     reduce their interior diagonals one by one), and one sum over the rows finishes it. No
     per-element atomics, and no two programs ever add into the same address.
+
+Tile shapes are fixed per head dim (``_GPU_CONFIGS``; ``--sweep`` of the benchmark times
+alternatives) rather than autotuned: the work list depends on the query tile height, so a tuner
+would have to rebuild it per candidate. Under the interpreter every tile is 16 rows, so small
+tests cross many tile edges.
 """
 
 from dataclasses import dataclass
