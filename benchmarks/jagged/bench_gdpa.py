@@ -86,15 +86,14 @@ def project_fn(w, device, tiles=None):
             @staticmethod
             def backward(ctx, do):
                 dq, dk, dv, _ = gdpa_kernels.gdpa_backward(
-                    do, *ctx.saved_tensors, kv_off if q_off is None else q_off, kv_off, is_cross=kv_arg is not None and not w.pma,
-                    **opts,
+                    do, *ctx.saved_tensors, kv_off if q_off is None else q_off, kv_off, **opts,
                 )  # fmt: skip
                 return dq, dk, dv
 
         scale = 1.0 / HEAD_DIM**0.5
         opts = dict(
             activation="silu", causal=w.causal, scale=scale, out_scale=1.0, broadcast_q=w.pma,
-            rel_bias_NB=None, tiles=tiles,
+            rel_bias_NB=None, tiles=tiles, is_cross=kv_arg is not None and not w.pma,
         )  # fmt: skip
         return Op.apply
 
@@ -240,9 +239,9 @@ def sweep(device, dtype) -> None:
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
         "bwd dq m64 n64 w4": dataclasses.replace(base, dq_m=64, dq_warps=4),
-        "pma chunk 128": dataclasses.replace(base, pma_chunk=128, dkdv_n=64),
-        "pma chunk 512": dataclasses.replace(base, pma_chunk=512),
-        "cross split 256": dataclasses.replace(base, cross_split_rows=256, cross_max_splits=32),
+        "work-list schedule (J3/J4)": dataclasses.replace(base, cross_schedule="work_list"),
+        "per-sequence split x4 (J3/J4)": dataclasses.replace(base, split_target=4096),
+        "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }
     rows = []
     for w in workloads(False):

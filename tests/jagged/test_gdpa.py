@@ -126,6 +126,35 @@ def test_pma_one_seed_and_head_dim_128():
     assert out[0].abs().max() == 0  # an empty sequence pools to zeros
 
 
+@pytest.mark.parametrize("mode", ["cross", "pma"])
+def test_work_list_schedule_matches_per_sequence(mode):
+    """Cross-attention and PMA have two schedules (per-sequence grid, device work list)."""
+    import dataclasses
+
+    from gem_jagged.ops.gdpa import triton as kernels
+
+    q, k, v, q_off, kv_off, rel_bias, do = (
+        t if t is None or not t.is_floating_point() else t.float()
+        for t in _case(
+            [20, 0, 5], mode=mode, heads=1, head_dim=32, dtype=torch.float32, device="cpu",
+            seed=13, bias=True,
+        )
+    )  # fmt: skip
+    q_off = kv_off if q_off is None else q_off
+    options = dict(
+        activation="silu", causal=True, scale=0.2, out_scale=1.0, broadcast_q=mode == "pma",
+        rel_bias_NB=rel_bias, is_cross=True,
+    )  # fmt: skip
+    results = []
+    for schedule in ("per_sequence", "work_list"):
+        tiles = dataclasses.replace(kernels.INTERPRETER_TILES, cross_schedule=schedule)
+        out = kernels.gdpa_forward(q, k, v, q_off, kv_off, tiles=tiles, **options)
+        grads = kernels.gdpa_backward(do, q, k, v, q_off, kv_off, tiles=tiles, **options)
+        results.append([out, *grads])
+    for name, a, b in zip(NAMES, *results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_reference_gradcheck_fp64():
     q, k, v, q_off, kv_off, rel_bias, _ = _case(
         [2, 0, 3], mode="cross", heads=1, head_dim=32, dtype=torch.float64, device="cpu",

@@ -33,7 +33,9 @@ def gdpa_op(
         broadcast_q=broadcast_q,
     )  # fmt: skip
     if backend == "triton":
-        return kernels.gdpa_forward(q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, **options)
+        return kernels.gdpa_forward(
+            q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross, **options
+        )
     return reference.gdpa_reference(q, k, v, q_offsets, kv_offsets, rel_bias=rel_bias, **options)
 
 
