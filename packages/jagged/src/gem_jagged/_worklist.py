@@ -57,18 +57,39 @@ __all__ = ["TileWorkList", "query_tiles", "key_tiles", "tile_slot_bound"]
 class TileWorkList:
     """A device-resident list of tiles, heaviest first; slots past the real count have seq = -1.
 
-    ``seq_W``: sequence index; ``start_W``: first row of the tile on the tiled side;
-    ``lo_W``, ``hi_W``: rows ``[lo, hi)`` of the other side to visit; ``splits_W``: how many
-    items share this tile's rows (1 unless a key tile was split); ``num_slots``: the grid size.
+    ``packed_5W`` holds five int32 rows, read through the properties: ``seq_W`` (sequence
+    index), ``start_W`` (first row of the tile on the tiled side), ``lo_W`` and ``hi_W`` (rows
+    ``[lo, hi)`` of the other side to visit) and ``splits_W`` (how many items share this tile's
+    rows: 1 unless a key tile was split). ``num_slots`` is the grid size. Being one tensor, a
+    list can be saved (for a backward pass, say) and rebuilt with ``TileWorkList(packed, block)``.
     """
 
-    seq_W: torch.Tensor
-    start_W: torch.Tensor
-    lo_W: torch.Tensor
-    hi_W: torch.Tensor
-    splits_W: torch.Tensor
-    num_slots: int
+    packed_5W: torch.Tensor
     block: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.packed_5W.shape[1]
+
+    @property
+    def seq_W(self) -> torch.Tensor:
+        return self.packed_5W[0]
+
+    @property
+    def start_W(self) -> torch.Tensor:
+        return self.packed_5W[1]
+
+    @property
+    def lo_W(self) -> torch.Tensor:
+        return self.packed_5W[2]
+
+    @property
+    def hi_W(self) -> torch.Tensor:
+        return self.packed_5W[3]
+
+    @property
+    def splits_W(self) -> torch.Tensor:
+        return self.packed_5W[4]
 
 
 def tile_slot_bound(total: int, batch: int, block: int) -> int:
@@ -212,19 +233,10 @@ def _tile_slots(tiled_offsets, other_offsets, *, total, block, causal, key_tiles
     )  # fmt: skip
 
 
-def _sorted(fields_FW, cost_W, num_slots, block) -> TileWorkList:
+def _sorted(fields_FW, cost_W, block) -> TileWorkList:
     """Order the slots heaviest first (stable, so equal costs keep their order)."""
     order_W = torch.argsort(cost_W, descending=True, stable=True)
-    seq, start, lo, hi, splits = fields_FW[:5].index_select(1, order_W).unbind(0)
-    return TileWorkList(
-        seq_W=seq,
-        start_W=start,
-        lo_W=lo,
-        hi_W=hi,
-        splits_W=splits,
-        num_slots=num_slots,
-        block=block,
-    )
+    return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
 
 
 def query_tiles(
@@ -244,7 +256,7 @@ def query_tiles(
     fields_FW, cost_W = _tile_slots(
         q_offsets, kv_offsets, total=total_q, block=block, causal=causal, key_tiles_=False
     )
-    return _sorted(fields_FW, cost_W, fields_FW.shape[1], block)
+    return _sorted(fields_FW, cost_W, block)
 
 
 def key_tiles(
@@ -275,7 +287,7 @@ def key_tiles(
     )  # fmt: skip
     num_tiles = tiles_FT.shape[1]
     if max_splits == 1:
-        return _sorted(tiles_FT, cost_T, num_tiles, block)
+        return _sorted(tiles_FT, cost_T, block)
     num_slots = num_tiles * max_splits
     split_ends_T = torch.cumsum(tiles_FT[4], 0)
     fields_FW, cost_W = _launch_slots(
@@ -284,4 +296,4 @@ def key_tiles(
         (num_tiles, num_slots, num_tiles.bit_length() + 1, block),
         num_slots=num_slots, num_fields=5, device=tiles_FT.device,
     )  # fmt: skip
-    return _sorted(fields_FW, cost_W, num_slots, block)
+    return _sorted(fields_FW, cost_W, block)

@@ -100,7 +100,7 @@ def jagged_flash_attention(
             f"q has dtype {q.dtype}; the triton backend supports {TRITON_DTYPES} "
             "(use backend='reference' for others)"
         )
-    out, _ = _op.attention_forward(
+    out, _, _ = _op.attention_forward(
         q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len, backend
     )
     return out

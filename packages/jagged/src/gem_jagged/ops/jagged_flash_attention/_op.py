@@ -2,9 +2,11 @@
 
 Two ops keep the kernels opaque to ``torch.compile`` while letting it trace through them:
 
-- ``gem_jagged::jagged_flash_attention_fwd`` returns ``(out [Tq, N, H], lse [N, Tq])``; ``lse``
-  (natural log-sum-exp of each query row, ``+inf`` for a row that sees no key) is what the
-  backward pass needs to rebuild the probabilities without storing them.
+- ``gem_jagged::jagged_flash_attention_fwd`` returns ``(out [Tq, N, H], lse [N, Tq], work)``;
+  ``lse`` (natural log-sum-exp of each query row, ``+inf`` for a row that sees no key) is what
+  the backward pass needs to rebuild the probabilities without storing them, and ``work`` (the
+  Triton forward's query-tile work list, int32 ``[5, W]``; empty for the reference) spares the
+  backward building it again.
 - ``gem_jagged::jagged_flash_attention_bwd`` returns ``(dq, dk, dv, d_rel_bias)``; without a bias
   the last one is an empty tensor (custom ops cannot return ``None``).
 
@@ -34,7 +36,7 @@ def attention_forward(
     scale: float,
     max_q_len: int | None,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
         from .triton import jfa_forward
 
@@ -45,14 +47,20 @@ def attention_forward(
         out, lse = jagged_flash_attention_reference(
             q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
         )
-    return out.contiguous(), lse.contiguous()
+    work = torch.empty(5, 0, dtype=torch.int32, device=q.device)
+    return out.contiguous(), lse.contiguous(), work
 
 
 @attention_forward.register_fake
 def _(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
-    return out, lse
+    slots = 0
+    if backend == "triton":
+        from .triton import forward_work_slots
+
+        slots = forward_work_slots(q, q_offsets.shape[0] - 1)
+    return out, lse, q.new_empty((5, slots), dtype=torch.int32)
 
 
 @torch.library.custom_op("gem_jagged::jagged_flash_attention_bwd", mutates_args=())
@@ -63,6 +71,7 @@ def attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    work: torch.Tensor,
     q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor,
     rel_bias: torch.Tensor | None,
@@ -77,6 +86,7 @@ def attention_backward(
         dq, dk, dv, dbias = jfa_backward(
             dout, q, k, v, out, lse, q_offsets, kv_offsets,
             causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
+            forward_work=work,
         )  # fmt: skip
     else:
         dq, dk, dv, dbias = jagged_flash_attention_reference_backward(
@@ -88,7 +98,10 @@ def attention_backward(
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend):
+def _(
+    dout, q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len,
+    backend,
+):  # fmt: skip
     dbias = q.new_empty(0) if rel_bias is None else torch.empty_like(rel_bias)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -100,18 +113,19 @@ def _(dout, q, k, v, out, lse, q_offsets, kv_offsets, rel_bias, causal, scale, m
 
 def _setup_context(ctx, inputs, output):
     q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, rel_bias)
+    out, lse, work = output
+    ctx.mark_non_differentiable(lse, work)
+    ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
     ctx.options = (causal, scale, max_q_len, backend)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
+def _backward(ctx, dout, _dlse, _dwork):
+    q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
     causal, scale, max_q_len, backend = ctx.options
     dq, dk, dv, dbias = attention_backward(
-        dout, q, k, v, out, lse, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend
-    )
+        dout, q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len,
+        backend,
+    )  # fmt: skip
     return dq, dk, dv, None, None, (dbias if rel_bias is not None else None), None, None, None, None
 
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_jagged._worklist import key_tiles, query_tiles
+from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
 LOG2E = 1.4426950408889634
 
@@ -502,7 +502,11 @@ def _radius(rel_bias):
 
 
 def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None):
-    """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32)``."""
+    """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
+
+    ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
+    reuses it instead of building it again.
+    """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(head_dim, q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -518,12 +522,19 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_
         CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
-    return out, lse
+    return out, lse, work.packed_5W
+
+
+def forward_work_slots(q: torch.Tensor, num_seqs: int) -> int:
+    """Slots of the forward's query work list (host shapes only; for fake tensors too)."""
+    cfg = config_for(q.shape[2], q.device)
+    return tile_slot_bound(q.shape[0], num_seqs, cfg.fwd_block_m)
 
 
 def jfa_backward(
-    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
-):
+    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
+    forward_work=None,
+):  # fmt: skip
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
     delta = backward_delta(out, dout)
@@ -533,7 +544,7 @@ def jfa_backward(
     )  # fmt: skip
     dq, dbias = backward_dq(
         dout, q, k, v, lse, delta, q_offsets, kv_offsets,
-        causal=causal, scale=scale, rel_bias=rel_bias,
+        causal=causal, scale=scale, rel_bias=rel_bias, forward_work=forward_work,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
@@ -586,13 +597,23 @@ def backward_dkdv(
     return dk, dv
 
 
-def backward_dq(dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias):
-    """dQ and the relative-bias gradient (contiguous inputs) from the query-tile work list."""
+def backward_dq(
+    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None
+):
+    """dQ and the relative-bias gradient (contiguous inputs) from the query-tile work list.
+
+    ``forward_work`` (the forward's packed list) is reused when its tile height matches.
+    """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(head_dim, q.device)
     dq = torch.empty_like(q)
     radius = _radius(rel_bias)
-    qwork = query_tiles(q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal)
+    if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
+        qwork = TileWorkList(forward_work, cfg.dq_block_m)
+    else:
+        qwork = query_tiles(
+            q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal
+        )
     num_programs = qwork.num_slots * num_heads
     if rel_bias is not None:
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
