@@ -212,7 +212,7 @@ def test_plan_works_under_torch_compile(toy_factory):
     plan.apply(model, compile=functools.partial(torch.compile, backend="aot_eager"))
     got = _grads(model, x)
     for (name, _), a, b in zip(model.named_parameters(), got, reference, strict=True):
-        if name.startswith("head.3"):  # after the last saved activation: exact
+        if name == "head.3.bias":  # needs no saved activation: exact
             assert torch.equal(a, b), name
         else:  # upstream of the head's quantized activations
             torch.testing.assert_close(a, b, rtol=2.0**-3, atol=2.0**-4 * b.abs().max().item())
