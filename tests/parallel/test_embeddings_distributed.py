@@ -17,7 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# The launcher (this file run as a script) needs no torch; the workers and pytest do. Spawned
+# workers import this file as "__mp_main__", so they take the import below.
+if __name__ != "__main__":
+    import torch
 
 WORLD, REPLICAS = 4, 2
 
@@ -270,15 +274,37 @@ def _worker(rank: int, world: int, port: int, device_type: str, backend_name: st
     os._exit(0)
 
 
+def _launch(world: int, *args) -> int:
+    """Start ``world`` spawned workers; stop all of them as soon as one fails."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, world, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    running = list(procs)
+    while running:
+        wait([p.sentinel for p in running])
+        running = [p for p in running if p.is_alive()]
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in running:
+                p.terminate()
+            for p in procs:
+                p.join()
+            break
+    return max(abs(p.exitcode) for p in procs)
+
+
 if __name__ == "__main__":
     import argparse
-
-    import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--world", type=int, default=WORLD)
     parser.add_argument("--backend", choices=["native", "torchrec"], default="native")
     args = parser.parse_args()
-    mp.spawn(_worker, args=(args.world, _free_port(), args.device, args.backend), nprocs=args.world)
+    failed = _launch(args.world, _free_port(), args.device, args.backend)
+    if failed:
+        sys.exit(f"a rank failed (exit code {failed})")
     print(f"all {args.world} ranks passed")
