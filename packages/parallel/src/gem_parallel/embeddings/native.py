@@ -23,12 +23,20 @@ asynchronously while table ``t`` exchanges ids and looks up rows (``prefetch``),
 gathered blocks are alive at once: the prefetch buffer. On GPUs the gathers go through
 ``gem_parallel.collectives`` with ``overlap=True``, which takes the copy engines when they apply.
 
+Trade-offs kept simple on purpose: owners return one row per id and the asking rank pools, so a
+pooled feature moves ``ids x D`` values back where torchrec's row-wise sharding moves partial sums
+(``batch x D`` per owner); ids are not deduplicated before the exchange; and each exchange needs
+the peers' counts on the host (one small all-to-all and a device-to-host copy per table). The
+backward pass materialises one dense ``[block rows, D]`` gradient per table before its
+reduce-scatter, as FSDP does for dense weights.
+
 Gradients follow ``reduce``: ``"sum"`` gives the gradient of the sum of every rank's loss,
 ``"avg"`` divides it by the world size (the gradient of the mean, as FSDP computes for dense
 weights).
 """
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -74,20 +82,24 @@ class TableLayout:
 
 
 class _LiveBytes:
-    """Bytes held by gathered blocks right now, and the peak (freed when the tensor is freed)."""
+    """Bytes held by gathered blocks right now, and the peak. A block counts until its tensor is
+    freed, by whoever drops it last (a CPU backend's worker thread may, hence the lock)."""
 
     def __init__(self):
         self.now = 0
         self.peak = 0
+        self._lock = threading.Lock()
 
     def track(self, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
-        self.now += n
-        self.peak = max(self.peak, self.now)
+        with self._lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
         weakref.finalize(t, self._release, n)
 
     def _release(self, n: int) -> None:
-        self.now -= n
+        with self._lock:
+            self.now -= n
 
 
 class _PendingGather:
