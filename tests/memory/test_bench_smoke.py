@@ -24,4 +24,5 @@ def test_bench_autoac_smoke(tmp_path):
     assert "Peak memory vs step time" in run.stdout
     assert "AutoAC @ knob 0.5 peak" in run.stdout
     assert "Largest local batch" in run.stdout
+    assert "AutoAC at batch" in run.stdout  # the planner ran past the no-checkpointing limit
     assert "autoac" in (tmp_path / "results.jsonl").read_text()

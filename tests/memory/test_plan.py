@@ -218,3 +218,27 @@ def test_plan_works_under_torch_compile(toy_factory):
             torch.testing.assert_close(a, b, rtol=2.0**-3, atol=2.0**-4 * b.abs().max().item())
     plan.remove(model)
     assert torch.equal(_grads(model, x)[0], reference[0])
+
+
+@pytest.mark.gpu
+def test_budgets_hold_on_the_gpu_by_max_memory_allocated(toy_factory):
+    make_toy, toy_batch = toy_factory
+    model = make_toy(dim=256, heads=4, depth=4).cuda()
+    x = toy_batch(batch=8, length=512).cuda()
+    profile = gem_memory.profile_model(model, x, timing_reps=2)
+    floor, _ = min_peak(profile, policies=gem_memory.POLICIES)
+    top = profile.predict_peak(["keep"] * len(REGIONS))
+    measured = []
+    for fraction in (1.0, 0.75, 0.5, 0.25, 0.0):
+        budget = int(floor + fraction * (top - floor))
+        plan = gem_memory.plan_checkpointing(model, x, budget_bytes=budget, profile=profile)
+        plan.apply(model)
+        peak = gem_memory.measure_peak(model, x)  # torch.cuda.max_memory_allocated
+        plan.remove(model)
+        assert abs(peak - plan.predicted_peak_bytes) <= 0.1 * plan.predicted_peak_bytes, (
+            budget,
+            peak,
+            plan.predicted_peak_bytes,
+        )
+        measured.append(peak)
+    assert measured == sorted(measured, reverse=True)
