@@ -34,3 +34,15 @@ def small_config(**overrides):
 @pytest.fixture
 def small():
     return small_config
+
+
+def small_flags(**overrides) -> list[str]:
+    """The same shrunken config as command-line flags."""
+    flags = dict(SMALL)
+    flags.update({k.replace("__", "."): str(v) for k, v in overrides.items()})
+    return [arg for name, value in flags.items() for arg in (f"--{name}", value)]
+
+
+@pytest.fixture
+def flags():
+    return small_flags

@@ -42,6 +42,10 @@ def test_overrides_convert_by_type():
     [
         ({"model.d_model": "abc"}, "model.d_model must be an integer"),
         ({"model.d_model": "65"}, "model.d_model must be divisible by model.n_heads"),
+        (
+            {"model.d_model": "32"},
+            r"model.d_model / model.n_heads must be a head dim of 32, 64 or 128",
+        ),
         ({"model.attention": "flash"}, "model.attention must be one of"),
         ({"data.batch_size": "10"}, "data.batch_size must be a multiple of data.sub_batch_size"),
         ({"optim.lr": "-1"}, "optim.lr must be positive"),

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from gem_train.train import train
 
     summary = train(cfg)
-    if summary and "final_ne" in summary:
+    if summary["rank"] == 0:
         print(
             f"done: {summary['steps_this_run']} steps, {summary['samples']} samples, "
             f"NE {summary['final_ne']:.4f}, AUC {summary['final_auc']:.4f}, "

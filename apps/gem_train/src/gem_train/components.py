@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from gem_train.checkpoint import Checkpointer
 from gem_train.config import TrainConfig
 from gem_train.data.loader import TrainBatches
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
 from gem_train.model import GemModel
+from gem_train.model.gem import LABEL_OF
 from gem_train.optimizations import apply_optimizations
 
 
@@ -40,12 +42,12 @@ class Run:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def set_lr(self, step: int) -> float:
-        o = self.cfg.optim
-        lr = o.lr * min(1.0, (step + 1) / o.warmup_steps) if o.warmup_steps else o.lr
+    def set_lr(self, step: int) -> None:
+        """Linear warm-up over ``optim.warmup_steps``, then constant (a function of the step only)."""
+        warmup = self.cfg.optim.warmup_steps
+        factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+            group["lr"] = group["base_lr"] * factor
 
     def clip_gradients(self) -> None:
         """Clip the dense tower's global gradient norm (sharded or not; embeddings are not clipped)."""
@@ -85,19 +87,47 @@ def make_source(cfg: TrainConfig, *, stream: int = 0):
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW; weight decay only on matrices of the dense layers (not embeddings, norms, biases)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        embedding = "embeddings" in name.split(".")[0]
-        (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
+    """AdamW in groups: embeddings (``optim.embedding_lr``, no decay), dense matrices (decay),
+    other dense parameters (norms, biases, seeds; no decay).
+
+    Sharded (DTensor) and plain parameters also go in separate groups: AdamW's fused multi-tensor
+    update cannot mix the two.
+    """
     o = cfg.optim
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    groups: dict[tuple[str, bool], list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            kind = "dense_matrix" if name.startswith("dense.") and p.dim() >= 2 else "other"
+            kind = "embedding" if not name.startswith("dense.") else kind
+            groups.setdefault((kind, isinstance(p, DTensor)), []).append(p)
+    settings = {
+        "embedding": (o.embedding_lr or o.lr, 0.0),
+        "dense_matrix": (o.lr, o.weight_decay),
+        "other": (o.lr, 0.0),
+    }
+    param_groups = [
+        {
+            "params": params,
+            "lr": settings[kind][0],
+            "base_lr": settings[kind][0],
+            "weight_decay": settings[kind][1],
+        }
+        for (kind, _), params in sorted(groups.items())
     ]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), foreach=True)
+    return torch.optim.AdamW(param_groups, betas=(o.beta1, o.beta2), foreach=True)
+
+
+def init_head_biases(model: GemModel, source, *, sub_batches: int = 8) -> None:
+    """Start each task's logit at the log-odds of its base rate in the first sub-batches.
+
+    Otherwise AdamW spends its first hundreds of steps moving the output biases from 0 (a 50%
+    rate) to the real rate (a few percent to a few tens of percent) and NE starts far above 1.
+    """
+    batches = [source.sub_batch(k) for k in range(sub_batches)]
+    for task, label in LABEL_OF.items():
+        rate = torch.cat([getattr(b, label) for b in batches]).mean().clamp(1e-3, 1 - 1e-3)
+        with torch.no_grad():
+            model.dense.interaction.heads[task].bias.fill_(torch.logit(rate).item())
 
 
 def build_run(cfg: TrainConfig) -> Run:
@@ -106,7 +136,9 @@ def build_run(cfg: TrainConfig) -> Run:
         torch.set_num_threads(cfg.cpu_threads)
     rank, world = init_distributed(cfg, device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GemModel(cfg.model).to(device)
+    model = GemModel(cfg.model)
+    init_head_biases(model, make_source(cfg))
+    model = model.to(device)
     batches = TrainBatches(make_source(cfg), cfg.data, cfg.model, rank=rank, world=world)
     model, notes = apply_optimizations(
         model, cfg, device=device, world=world, sample_source=make_source(cfg)

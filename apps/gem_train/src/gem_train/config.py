@@ -99,6 +99,13 @@ class ModelConfig:
             self.d_model,
         )
         _choice("model.attention", self.attention, ("jagged", "block", "padded"))
+        if "jagged" in (self.attention, self.pooling_attention) or self.attention == "block":
+            _require(
+                self.head_dim in (32, 64, 128),
+                "model.d_model / model.n_heads",
+                "a head dim of 32, 64 or 128 for the gem_jagged kernels",
+                f"{self.d_model} / {self.n_heads} = {self.d_model / self.n_heads:g}",
+            )
         _choice("model.pooling_attention", self.pooling_attention, ("jagged", "padded"))
         _choice("model.ffn", self.ffn, ("swiglu", "moe"))
         _choice("model.embeddings", self.embeddings, ("auto", "torchrec", "native"))
@@ -138,7 +145,8 @@ class DataConfig:
                 "a Parquet file or folder when data.source=parquet",
                 self.path,
             )
-        for name in ("batch_size", "sub_batch_size", "median_len", "min_len", "max_len"):
+        _require(self.min_len >= 0, "data.min_len", "≥ 0 (empty histories are legal)", self.min_len)
+        for name in ("batch_size", "sub_batch_size", "median_len", "max_len"):
             _require(
                 getattr(self, name) >= 1, f"data.{name}", "a positive integer", getattr(self, name)
             )
@@ -160,7 +168,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(3e-3, "peak learning rate of AdamW (dense and embedding parameters)")
+    lr: float = opt(3e-3, "peak learning rate of AdamW for the dense parameters")
+    embedding_lr: float = opt(0.0, "peak learning rate of the embedding tables (0: optim.lr)")
     weight_decay: float = opt(0.0, "AdamW weight decay (never applied to embeddings or norms)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.98, "AdamW beta2")
@@ -169,6 +178,7 @@ class OptimConfig:
 
     def validate(self) -> None:
         _require(self.lr > 0, "optim.lr", "positive", self.lr)
+        _require(self.embedding_lr >= 0, "optim.embedding_lr", "≥ 0", self.embedding_lr)
         _require(self.weight_decay >= 0, "optim.weight_decay", "≥ 0", self.weight_decay)
         _require(0 <= self.beta1 < 1, "optim.beta1", "in [0, 1)", self.beta1)
         _require(0 <= self.beta2 < 1, "optim.beta2", "in [0, 1)", self.beta2)

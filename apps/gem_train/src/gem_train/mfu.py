@@ -78,8 +78,6 @@ def _leaves(args):
 def _outputs(out) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, dict):
-        return list(out.values())
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from gem_train.config import TrainConfig
 from gem_train.model import loss_of
 
-KEEP_FULL_PRECISION = ("interaction.project", "interaction.heads")
+KEEP_FULL_PRECISION = ("interaction.project", "interaction.heads.*")  # names inside model.dense
 
 
 def _missing(flag: str, what: str, exc: Exception) -> RuntimeError:
@@ -37,8 +37,9 @@ def apply_lowprec(model: nn.Module, recipe: str) -> str:
         from gem_lowprec import convert
     except (ImportError, AttributeError) as exc:
         raise _missing(f"lowprec.recipe={recipe}", "gem_lowprec.convert", exc) from exc
-    convert(model.dense, recipe, skip=lambda name, module: name.startswith(KEEP_FULL_PRECISION))
-    return f"low precision: dense linears in {recipe}"
+    convert(model.dense, recipe, skip=KEEP_FULL_PRECISION)
+    report = model.dense.lowprec_conversion
+    return f"low precision {recipe}: {len(report.converted)} linears converted, {len(report.skipped)} kept"
 
 
 def region_names(model: nn.Module) -> list[str]:
@@ -81,11 +82,14 @@ def _autocast(cfg: TrainConfig, device: torch.device):
 
 def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> str:
     try:
-        from gem_parallel.dense import DenseParallelConfig, apply_dense_parallel
-        from gem_parallel.embeddings import shard_embeddings
-        from gem_parallel.layout import MeshLayout
-        from gem_parallel.meshes import build_meshes
-    except ImportError as exc:
+        from gem_parallel import (
+            DenseParallelConfig,
+            MeshLayout,
+            apply_dense_parallel,
+            build_meshes,
+            shard_embeddings,
+        )
+    except (ImportError, AttributeError) as exc:
         raise _missing(
             "running under torchrun with parallel.dense=fsdp", "gem_parallel", exc
         ) from exc

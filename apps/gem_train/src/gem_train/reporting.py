@@ -163,6 +163,7 @@ class Reporter:
             ),  # fmt: skip
             "wall_s": time.perf_counter() - self.t_start,
             "world_size": world,
+            "rank": self.run.rank,
             "device": str(self.run.device),
             "optimisations": notes,
             "losses": self.losses,

@@ -157,6 +157,6 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 def _to_batch(**arrays) -> Batch:
     out = {}
     for name, value in arrays.items():
-        dtype = torch.float32 if name in ("click", "conversion") else torch.int64
-        out[name] = torch.as_tensor(np.asarray(value)).to(dtype)
+        dtype = np.float32 if name in ("click", "conversion") else np.int64
+        out[name] = torch.from_numpy(np.array(value, dtype=dtype))  # a writable copy
     return Batch(**out)

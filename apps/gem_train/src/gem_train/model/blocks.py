@@ -10,7 +10,7 @@ all experts locally.
 
 import torch
 import torch.nn.functional as F
-from gem_parallel.moe import MoE, MoEConfig
+from gem_parallel import MoE, MoEConfig
 from torch import nn
 
 from gem_train.config import ModelConfig

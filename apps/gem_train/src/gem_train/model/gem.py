@@ -55,7 +55,7 @@ class InputProjection(nn.Module):
 
 
 class Interaction(nn.Module):
-    """Concatenated features → DCN-v2 cross layers → MLP → one logit per task."""
+    """Concatenated features → DCN-v2 cross layers → MLP → one logit per task ``[B, tasks]``."""
 
     def __init__(self, m: ModelConfig, in_features: int):
         super().__init__()
@@ -69,7 +69,7 @@ class Interaction(nn.Module):
         for layer in self.crosses:
             h = layer(x0, h)
         h = self.mlp(h)
-        return {task: head(h).squeeze(-1) for task, head in self.heads.items()}
+        return torch.cat([self.heads[task](h) for task in TASKS], dim=1)  # [B, tasks]
 
 
 class DenseTower(nn.Module):
@@ -85,7 +85,8 @@ class DenseTower(nn.Module):
         self.cross = CandidateCrossAttention(d, m.n_heads, kind=m.pooling_attention)
         self.interaction = Interaction(m, m.pma_seeds * d + n_cand * d + n_cand * e + 2 * e)
 
-    def forward(self, seq: dict, pooled: dict, offsets: torch.Tensor, max_len: int):
+    def forward(self, seq: dict, pooled: dict, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Logits ``[B, len(TASKS)]`` (a fresh tensor, not a view: FSDP hooks its output)."""
         history = torch.cat([seq[f] for f in SEQUENCE_FEATURES], dim=-1)  # [T, 4E]
         candidate = torch.stack([seq[f] for f in CANDIDATE_FEATURES], dim=1)  # [B, C, E]
         x, cand = self.inputs(history, candidate)
@@ -139,7 +140,8 @@ class GemModel(nn.Module):
         if max_len is None:
             max_len = int(batch.lengths.max()) if batch.num_samples else 0
         seq, pooled = self.embed(batch)
-        return self.dense(seq, pooled, batch.offsets, max_len)
+        logits = self.dense(seq, pooled, batch.offsets, max_len)
+        return {task: logits[:, i] for i, task in enumerate(TASKS)}
 
 
 def loss_of(

@@ -1,0 +1,86 @@
+"""End to end: the command line learns the planted signal, writes its summary and logs, runs
+under torchrun with gloo, reads Parquet, measures Local MFU and plans gem-large."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from gem_train import cli
+from gem_train.data.parquet import write_example
+from gem_train.train import train
+
+SUMMARY_KEYS = {"steps", "samples", "final_ne", "final_auc", "qps", "wall_s"}
+
+
+def test_tiny_learns_the_planted_signal(tmp_path):
+    """A shortened ``uv run gem-train``: the default tiny model, fewer steps, still learns."""
+    summary_path = tmp_path / "summary.json"
+    assert (
+        cli.main(
+            ["--steps", "100", "--metrics.progress", "false", "--summary-json", str(summary_path)]
+        )
+        == 0
+    )
+    summary = json.loads(summary_path.read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["steps"] == 100 and summary["samples"] == 100 * 32
+    assert summary["final_ne"] < 0.97, summary["final"]
+    assert summary["final_auc"] > 0.6, summary["final"]
+    assert summary["qps"] > 0 and summary["wall_s"] > 0
+
+
+def test_tensorboard_logs_and_history(small, tmp_path):
+    summary = train(small(metrics__tensorboard=str(tmp_path / "tb"), metrics__log_every=2))
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert [row["step"] for row in summary["history"]] == [2, 4, 6]
+    assert {
+        "loss",
+        "ctr_ne",
+        "ctr_auc",
+        "cvr_ne",
+        "qps",
+        "padding_fraction",
+        "rank_imbalance",
+    } <= summary["history"][-1].keys()
+    assert summary["history"][-1]["rank_imbalance"] == 1.0  # one rank
+    assert len(summary["losses"]) == 6 and all(math.isfinite(x) for x in summary["losses"])
+
+
+def test_trains_from_parquet(small, tmp_path):
+    path = tmp_path / "example.parquet"
+    cfg = small()
+    write_example(str(path), cfg.data, cfg.model, rows=20)
+    summary = train(small(data__source="parquet", data__path=str(path), steps=3))
+    assert summary["samples"] == 3 * 8 and math.isfinite(summary["losses"][-1])
+
+
+def test_torchrun_two_processes_with_gloo(flags, tmp_path):
+    summary_path = tmp_path / "summary.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gem_train.cli",
+        *flags(steps=3, **{"data.eval_batches": 2}), "--summary-json", str(summary_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["world_size"] == 2 and summary["samples"] == 2 * 3 * 8
+    assert any("FSDP2" in note for note in summary["optimisations"])
+    assert math.isfinite(summary["final_ne"]) and math.isfinite(summary["losses"][-1])
+    assert done.stdout.count("done:") == 1  # only rank 0 reports
+
+
+def test_mfu_command_reports_every_layer(flags, capsys):
+    assert cli.main(["mfu", *flags(**{"metrics.peak_tflops": 1.0})]) == 0
+    out = capsys.readouterr().out
+    for layer in ("inputs", "block0", "pma", "cross", "interaction"):
+        assert f"| {layer} |" in out
+    assert "Local MFU (FLOP-weighted):" in out
+
+
+def test_plan_command_sizes_gem_large(capsys):
+    assert cli.main(["plan", "--config", "gem-large", "--gpus", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "gem-large:" in out and "dense parameters" in out and '"layout"' in out
