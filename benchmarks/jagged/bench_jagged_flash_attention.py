@@ -54,7 +54,7 @@ class Workload:
 
 def workloads(smoke: bool) -> list[Workload]:
     if smoke:
-        lengths = np.array([5, 40, 0, 17])
+        lengths = np.array([5, 20, 0, 9])
         return [
             Workload("J1", lengths, lengths, True),
             Workload("J3", lengths, np.full(4, 8), False),
