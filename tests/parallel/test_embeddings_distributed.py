@@ -266,6 +266,26 @@ def _worker(rank: int, world: int, port: int, device_type: str, backend_name: st
             weighted=weighted,
         )
     _check_memory(mesh, device)
+    # the planner's sparse mesh may put model parallelism first: dims are found by name
+    from gem_parallel.embeddings import resolve_groups
+
+    mp_first = init_device_mesh(
+        device_type, (world // REPLICAS, REPLICAS), mesh_dim_names=("sparse_mp", "sparse_replica")
+    )
+    mp_group, replica_group = resolve_groups(mp_first)
+    ranks = dist.get_process_group_ranks
+    assert ranks(mp_group) == ranks(mp_first.get_group("sparse_mp"))
+    assert ranks(replica_group) == ranks(mp_first.get_group("sparse_replica"))
+    _check_case(
+        mp_first,
+        rank,
+        device,
+        tables=tables,
+        pooling="sum",
+        fully_sharded=True,
+        prefetch=True,
+        weighted=False,
+    )
     dist.barrier()
     dist.destroy_process_group()
     # Leave without interpreter teardown: gloo's worker threads, joined while Python finalizes,

@@ -12,8 +12,10 @@
 Both take a torchrec ``KeyedJaggedTensor`` (or ``KeyedJagged``, its stand-in here) and return
 ``PooledEmbeddings`` (pooling "sum"/"mean") or a dict of ``JaggedEmbeddings`` (pooling "none").
 
-The ranks come as a 2D ``DeviceMesh`` (dim 0: replicas, dim 1: model parallel; a 1D mesh is
-model parallel only) or as two process groups; the planner's sparse mesh plugs in directly.
+The ranks come as a 2D ``DeviceMesh`` or as two process groups. The mesh's dimensions are found
+by name ("sparse_replica"/"replicate" and "sparse_mp"/"model_parallel", in either order, so the
+planner's sparse mesh plugs in directly); an unnamed 2D mesh is (replicas, model parallel), and a
+1D mesh is model parallel only.
 """
 
 import torch
@@ -25,6 +27,10 @@ from .native import ShardedEmbeddingTables, ShardingConfig
 from .tables import EmbeddingTables, TableConfig
 
 BACKENDS = ("native", "torchrec")
+# Mesh dimension names recognised, in either order (the planner's sparse mesh names its dims
+# "sparse_replica" and "sparse_mp"); a mesh without these names is read as (replicas, model parallel).
+REPLICA_DIM_NAMES = ("sparse_replica", "replicate", "replica", "replicas")
+MODEL_PARALLEL_DIM_NAMES = ("sparse_mp", "model_parallel", "mp", "shard")
 
 __all__ = [
     "BACKENDS",
@@ -56,11 +62,16 @@ def resolve_groups(
             raise ValueError("pass either mesh or the process groups, not both")
         if mesh.ndim == 1:
             return mesh.get_group(0), None
-        if mesh.ndim == 2:
-            return mesh.get_group(1), mesh.get_group(0)
-        raise ValueError(
-            f"mesh must be 1D (model parallel) or 2D (replicas x model parallel), got {mesh.ndim}D"
-        )
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"mesh must be 1D (model parallel) or 2D (replicas x model parallel), got {mesh.ndim}D"
+            )
+        names = tuple(mesh.mesh_dim_names or ())
+        replica_dim = next((i for i, n in enumerate(names) if n in REPLICA_DIM_NAMES), None)
+        mp_dim = next((i for i, n in enumerate(names) if n in MODEL_PARALLEL_DIM_NAMES), None)
+        if replica_dim is None or mp_dim is None or replica_dim == mp_dim:
+            replica_dim, mp_dim = 0, 1  # unnamed (or unknown names): replicas x model parallel
+        return mesh.get_group(mp_dim), mesh.get_group(replica_dim)
     mp = model_parallel_group if model_parallel_group is not None else dist.group.WORLD
     if replica_group is not None and replica_group.size() * mp.size() > dist.get_world_size():
         raise ValueError(
