@@ -1,11 +1,17 @@
 """Input validation shared by the jagged ops.
 
 Every public op calls these before choosing a backend, so a bad argument fails the same way on
-every backend, with a message that names the argument and says what was expected. Offsets are
-checked on the host only when they already live there or when ``validate_offsets`` is asked to;
-on CUDA the value checks need one device-to-host copy, which is skipped inside CUDA-graph capture
-and under ``torch.compile`` tracing (the shape, dtype and device checks always run).
+every backend, with a message that names the argument and says what was expected.
+
+Offsets values (start at 0, never decrease, end at the token count) can only be read on the host.
+On CUDA that costs one device-to-host copy and a synchronisation, so it is paid once per offsets
+tensor: a tensor that passed is remembered (by identity and version counter, so an in-place
+change is checked again) and the layers of a model that share one batch's offsets sync once, not
+once per call. The value checks are skipped inside CUDA-graph capture and under
+``torch.compile`` tracing; the shape, dtype and device checks always run.
 """
+
+import weakref
 
 import torch
 
@@ -89,7 +95,7 @@ def check_offsets(
         raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
     if validate_values is None:
         validate_values = not _tracing()
-    if not validate_values:
+    if not validate_values or _already_checked(offsets, total):
         return
     host = offsets.detach().to("cpu", torch.int64)
     if host[0].item() != 0:
@@ -103,6 +109,31 @@ def check_offsets(
         )
     if host[-1].item() != total:
         raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
+    if offsets.device.type == "cuda":
+        _remember_checked(offsets, total)
+
+
+# id(offsets) -> (weak reference, version counter, token total) of CUDA offsets that passed.
+_CHECKED: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _already_checked(offsets: torch.Tensor, total: int) -> bool:
+    entry = _CHECKED.get(id(offsets))
+    return (
+        entry is not None
+        and entry[0]() is offsets
+        and entry[1] == offsets._version
+        and entry[2] == total
+    )
+
+
+def _remember_checked(offsets: torch.Tensor, total: int) -> None:
+    key = id(offsets)
+    _CHECKED[key] = (
+        weakref.ref(offsets, lambda _: _CHECKED.pop(key, None)),
+        offsets._version,
+        total,
+    )
 
 
 def check_rel_bias(rel_bias: torch.Tensor | None, *, num_heads: int, like: torch.Tensor) -> None:

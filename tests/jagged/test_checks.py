@@ -1,0 +1,40 @@
+"""Offsets validation: every malformed offsets tensor is refused, a valid one is checked once."""
+
+import pytest
+import torch
+from gem_jagged import _checks
+from gem_jagged._checks import check_offsets
+
+
+@pytest.mark.parametrize(
+    "offsets, total, message",
+    [
+        (torch.tensor([[0, 1]]), 1, "must be 1-D"),
+        (torch.tensor([0.0, 1.0]), 1, "int32 or int64"),
+        (torch.tensor([], dtype=torch.int64), 0, "at least one entry"),
+        (torch.tensor([1, 2]), 2, r"\[0\] must be 0"),
+        (torch.tensor([0, 3, 2]), 2, "non-decreasing"),
+        (torch.tensor([0, 2, 3]), 4, "must equal the number of tokens 4"),
+    ],
+)
+def test_bad_offsets_are_refused_with_the_argument_named(offsets, total, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        check_offsets("q_offsets", offsets, total=total, device=offsets.device)
+    with pytest.raises((ValueError, TypeError), match="q_offsets"):
+        check_offsets("q_offsets", offsets, total=total, device=offsets.device)
+
+
+def test_device_mismatch_is_refused():
+    with pytest.raises(ValueError, match="values are on meta"):
+        check_offsets("offsets", torch.tensor([0, 1]), total=1, device=torch.device("meta"))
+
+
+@pytest.mark.gpu
+def test_cuda_offsets_are_synced_once_and_rechecked_after_in_place_change():
+    offsets = torch.tensor([0, 2, 5], device="cuda")
+    check_offsets("offsets", offsets, total=5, device=offsets.device)
+    assert _checks._already_checked(offsets, 5)
+    assert not _checks._already_checked(offsets, 6)
+    offsets[1] = 7  # bumps the version counter: the next call reads the values again
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_offsets("offsets", offsets, total=5, device=offsets.device)
