@@ -5,7 +5,9 @@ passes over the model, then one small experiment per region and policy:
 
 1. Capture: a forward under ``torch.no_grad`` records each region's inputs (cloned) and checks
    that every region runs exactly once per step.
-2. Timeline: one real step (forward, loss, backward) with every region kept, under a memory meter
+2. Timeline: one real step (forward, loss, backward) with every region fully recomputed (the
+   least memory, so profiling works at batches that do not fit without checkpointing; ``full``
+   must be among the policies for that, else ``selective`` or ``keep`` is used), under a meter
    (``gem_memory.meter``) with a mark where each region's forward begins and ends and where its
    backward begins (its output's gradient arrives) and ends (its inputs' gradients are done).
    Between the marks lie the parts of the step that belong to no region (embeddings, the loss,
@@ -75,7 +77,7 @@ class ModelProfile:
     regions: tuple[RegionProfile, ...]
     static_bytes: int
     # outside_offsets[k]: peak of the outside segments during which regions[:k] keep their
-    # activations, minus those regions' kept bytes under "keep".
+    # activations, minus those regions' kept bytes under the timeline's policy.
     outside_offsets: tuple[int, ...]
     quantized: QuantizedConfig
     device: str
@@ -222,12 +224,26 @@ def profile_model(
     device = device or (params[0].device if params else torch.device("cpu"))
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            timeline_policy = next(p for p in ("full", "selective", "keep") if p in policies)
+            if compile is not None or device.type == "cuda":
+                _warm_up(model, inputs, named, loss_fn, timeline_policy, quantized, compile)
             for p in params:
                 p.grad = None
             static = static_bytes(model, *inputs)
             captured, order = _capture(model, inputs, named)
             shared = _shared_masks(captured, order, model, inputs)
-            timeline = _timeline(model, inputs, named, order, shared, loss_fn, device, compile)
+            timeline = _timeline(
+                model,
+                inputs,
+                named,
+                order,
+                shared,
+                loss_fn,
+                device,
+                compile,
+                timeline_policy,
+                quantized,
+            )
             profiles = _isolate(
                 named, order, captured, shared, timeline, policies, quantized, timing_reps, compile
             )
@@ -237,6 +253,18 @@ def profile_model(
             p.grad = g
         for name, m in named.items():
             _restore_forward(m, saved_forwards[name])
+
+
+def _warm_up(model, inputs, named, loss_fn, policy, quantized, compile) -> None:
+    """One step before anything is measured: compilation, and on CUDA the library workspaces
+    that stay allocated (they belong to the static bytes, not to any region)."""
+    for m in named.values():
+        set_policy(m, policy, quantized, compile=compile)
+    try:
+        loss_fn(model(*inputs)).backward()
+    finally:
+        for m in named.values():
+            set_policy(m, "keep")
 
 
 def _check_policies(policies) -> tuple[str, ...]:
@@ -306,6 +334,7 @@ class _Timeline:
     requires_grad: dict = field(default_factory=dict)  # name -> flags per flat input leaf
     outputs: dict = field(default_factory=dict)  # name -> [(shape, dtype, device)] needing grads
     without_exit: set = field(default_factory=set)  # regions whose backward end is not observable
+    policy: str = "keep"  # the policy every region ran under
 
 
 def _shared_masks(captured, order, model, inputs) -> dict[str, list[bool]]:
@@ -332,10 +361,13 @@ def _shared_masks(captured, order, model, inputs) -> dict[str, list[bool]]:
     }
 
 
-def _timeline(model, inputs, named, order, shared, loss_fn, device, compile) -> _Timeline:
-    """One kept step under the meter, with a mark at each region's forward and backward edges."""
+def _timeline(
+    model, inputs, named, order, shared, loss_fn, device, compile, policy, quantized
+) -> _Timeline:
+    """One step under the meter (every region under ``policy``), with a mark at each region's
+    forward and backward edges."""
     index = {name: i for i, name in enumerate(order)}
-    tl = _Timeline()
+    tl = _Timeline(policy=policy)
     meter = make_meter(device)
 
     def mark(kind, i):
@@ -391,13 +423,8 @@ def _timeline(model, inputs, named, order, shared, loss_fn, device, compile) -> 
     handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in named.items()]
     handles += [m.register_forward_hook(post_hook(n), with_kwargs=True) for n, m in named.items()]
     for m in named.values():
-        set_policy(m, "keep", compile=compile)
+        set_policy(m, policy, quantized, compile=compile)
     try:
-        if compile is not None or device.type == "cuda":  # warm-up, as in _Isolated.measure
-            loss_fn(model(*inputs)).backward()
-            tl.events.clear()
-            for p in model.parameters():
-                p.grad = None
         with meter:
             meter.mark()
             loss = loss_fn(model(*inputs))
@@ -447,7 +474,7 @@ def _isolate(named, order, captured, shared, tl, policies, quantized, reps, comp
 
 def _assemble(profiles, tl, order, static, quantized, device) -> ModelProfile:
     n = len(order)
-    kept = [profiles[name][2]["keep"].saved_bytes for name in order]
+    kept = [profiles[name][2][tl.policy].saved_bytes for name in order]
     offsets = [0] * (n + 1)
     forward_base, backward_base = {}, {}
     alive: set[int] = set()
