@@ -80,19 +80,21 @@ def project_fn(w, device, tiles=None):
             def forward(ctx, q, k, v):
                 ctx.save_for_backward(q, k, v)
                 return gdpa_kernels.gdpa_forward(
-                    q, k, v, kv_off if q_off is None else q_off, kv_off, **opts
-                )
+                    q, k, v, kv_off if q_off is None else q_off, kv_off, scale=q.shape[-1] ** -0.5,
+                    **opts,
+                )  # fmt: skip
 
             @staticmethod
             def backward(ctx, do):
+                q, k, v = ctx.saved_tensors
                 dq, dk, dv, _ = gdpa_kernels.gdpa_backward(
-                    do, *ctx.saved_tensors, kv_off if q_off is None else q_off, kv_off, **opts,
+                    do, q, k, v, kv_off if q_off is None else q_off, kv_off,
+                    scale=q.shape[-1] ** -0.5, **opts,
                 )  # fmt: skip
                 return dq, dk, dv
 
-        scale = 1.0 / HEAD_DIM**0.5
         opts = dict(
-            activation="silu", causal=w.causal, scale=scale, out_scale=1.0, broadcast_q=w.pma,
+            activation="silu", causal=w.causal, out_scale=1.0, broadcast_q=w.pma,
             rel_bias_NB=None, tiles=tiles, is_cross=kv_arg is not None and not w.pma,
         )  # fmt: skip
         return Op.apply
@@ -230,8 +232,9 @@ def timed(fn, q, k, v, do, *, backward, bench, graph=False):
     return bench(step)
 
 
-def sweep(device, dtype) -> None:
-    base = gdpa_kernels.default_tiles(torch.device(device), HEAD_DIM)
+def sweep(device, dtype, smoke) -> None:
+    heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
+    base = gdpa_kernels.default_tiles(torch.device(device), head_dim)
     variants = {
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
@@ -244,8 +247,8 @@ def sweep(device, dtype) -> None:
         "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }
     rows = []
-    for w in workloads(False):
-        q, k, v, do = make_inputs(w, device, dtype, HEADS, HEAD_DIM)
+    for w in workloads(smoke):
+        q, k, v, do = make_inputs(w, device, dtype, heads, head_dim)
         for name, tiles in variants.items():
             fn = project_fn(w, device, tiles)
             fwd = common.try_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
@@ -330,8 +333,8 @@ def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
         ["workload", "pass", "impl", "ms", "TFLOP/s", "time / gdpa time"],
         rows,
     )
-    if do_sweep and not smoke:
-        sweep(device, dtype)
+    if do_sweep:
+        sweep(device, dtype, smoke)
 
 
 if __name__ == "__main__":
