@@ -36,6 +36,7 @@ def test_triton_bit_exact(elem, mode, source):
     assert_same_mx(rows, to_mx(x, axis=1, backend="reference", **kw))
     assert_same_mx(cols, to_mx(x, axis=0, backend="reference", **kw))
     assert_same_mx(to_mx_2d(x, backend="triton", **kw), to_mx_2d(x, backend="reference", **kw))
+    assert_same_mx(to_mx(x, backend="triton", **kw), rows)  # the row-only block-slab kernel
 
 
 @pytest.mark.parametrize("elem", FORMATS, ids=["e4m3", "e5m2"])
@@ -214,8 +215,13 @@ def test_gpu_hardware_cast_bit_exact(elem, mode):
         rows, cols = to_mx_rowcol(xc, **kw)
         for got, ref in (
             (rows, to_mx(x, axis=1, **kw)),
+            (to_mx(xc, **kw), to_mx(x, **kw)),
             (cols, to_mx(x, axis=0, **kw)),
             (to_mx_2d(xc, **kw), to_mx_2d(x, **kw)),
             (to_mx(xc.float(), **kw), to_mx(x.float(), **kw)),
+            (
+                to_mx(xc, rounding="stochastic", seed=5, **kw),
+                to_mx(x, rounding="stochastic", seed=5, **kw),
+            ),
         ):
             assert_same_mx(MXTensor(got.data.cpu(), got.scale.cpu(), got.layout), ref)

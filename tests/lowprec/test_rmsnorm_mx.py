@@ -45,6 +45,17 @@ def test_public_op_matches_reference_and_dequantizes():
     assert (tri.data.view(torch.uint8) != mx.data.view(torch.uint8)).float().mean() < 0.01
 
 
+def test_custom_op_opcheck():
+    from gem_lowprec.ops.rmsnorm_mx import rmsnorm_mx_op
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    torch.library.opcheck(
+        rmsnorm_mx_op,
+        (x, torch.ones(64, dtype=torch.bfloat16), 1e-6, "float8_e4m3fn", "rceil", "reference"),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
 def test_errors():
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="weight must have shape"):

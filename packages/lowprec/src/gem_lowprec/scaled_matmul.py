@@ -108,6 +108,7 @@ _compiled_rowwise = None
 def quantize_rowwise(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn):
     """``[R, C]`` -> (fp8 ``[R, C]``, float32 ``[R, 1]`` scale ``amax/max``); compiled on a GPU."""
     global _compiled_rowwise
+    x = x.contiguous()  # row-major bytes: _scaled_mm takes operand b as its transposed view
     if x.is_cuda and not torch.compiler.is_compiling():
         if _compiled_rowwise is None:
             _compiled_rowwise = torch.compile(_quantize_rowwise_eager, dynamic=False)

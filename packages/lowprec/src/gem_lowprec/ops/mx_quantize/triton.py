@@ -422,7 +422,7 @@ def mx_quantize(
     wide = x_MK.numel() >= 2**31 - 2**20
     if rows and not cols:
         _launch_rows(
-            x_arg, row_data, row_scale, fmt, scale_mode, seed, force_integer, in_bf16, wide
+            x_arg, row_data, row_scale, None, fmt, scale_mode, seed, force_integer, in_bf16, wide
         )
         return row_data, row_scale, col_data, col_scale
     args = (x_arg, row_data, row_scale, col_data, col_scale, M, K, seed_key(seed or 0))
