@@ -53,7 +53,7 @@ def test_torchrec_and_native_embeddings_agree(small):
     model_t = GemModel(torchrec.model)
     state = model_n.state_dict()
     mapped = {}
-    for key, value in model_t.state_dict().items():
+    for key in model_t.state_dict():
         table = key.split(".")[-2]
         if key.startswith("sequence_embeddings."):
             mapped[key] = state[f"sequence_embeddings.weights.{table}"]

@@ -20,7 +20,6 @@ from gem_train.config import TrainConfig
 from gem_train.data.loader import TrainBatches
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
 from gem_train.model import GemModel
-from gem_train.model.gem import LABEL_OF
 from gem_train.optimizations import apply_optimizations
 
 
@@ -117,29 +116,16 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     return torch.optim.AdamW(param_groups, betas=(o.beta1, o.beta2), foreach=True)
 
 
-def init_head_biases(model: GemModel, source, *, sub_batches: int = 8) -> None:
-    """Start each task's logit at the log-odds of its base rate in the first sub-batches.
-
-    Otherwise AdamW spends its first hundreds of steps moving the output biases from 0 (a 50%
-    rate) to the real rate (a few percent to a few tens of percent) and NE starts far above 1.
-    """
-    batches = [source.sub_batch(k) for k in range(sub_batches)]
-    for task, label in LABEL_OF.items():
-        rate = torch.cat([getattr(b, label) for b in batches]).mean().clamp(1e-3, 1 - 1e-3)
-        with torch.no_grad():
-            model.dense.interaction.heads[task].bias.fill_(torch.logit(rate).item())
-
-
 def build_run(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     rank, world = init_distributed(cfg, device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GemModel(cfg.model)
-    init_head_biases(model, make_source(cfg))
-    model = model.to(device)
-    batches = TrainBatches(make_source(cfg), cfg.data, cfg.model, rank=rank, world=world)
+    model = GemModel(cfg.model).to(device)
+    batches = TrainBatches(
+        make_source(cfg), cfg.data, cfg.model, rank=rank, world=world, pin=device.type == "cuda"
+    )
     model, notes = apply_optimizations(
         model, cfg, device=device, world=world, sample_source=make_source(cfg)
     )

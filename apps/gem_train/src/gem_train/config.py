@@ -134,7 +134,8 @@ class DataConfig:
     teacher_strength: float = opt(5.0, "scale of the planted teacher's logits (signal strength)")
     seed: int = opt(0, "seed of the data stream (the teacher has its own fixed seed)")
     shuffle: bool = opt(True, "balance batches with gem_loadbalance's Base Batch Shuffling")
-    eval_batches: int = opt(8, "held-out batches for the final NE / AUC")
+    eval_batches: int = opt(16, "held-out batches for the final NE / AUC")
+    prefetch: int = opt(2, "batches assembled ahead by a background thread (0: none)")
 
     def validate(self) -> None:
         _choice("data.source", self.source, ("synthetic", "parquet"))
@@ -151,6 +152,7 @@ class DataConfig:
                 getattr(self, name) >= 1, f"data.{name}", "a positive integer", getattr(self, name)
             )
         _require(self.eval_batches >= 0, "data.eval_batches", "≥ 0", self.eval_batches)
+        _require(self.prefetch >= 0, "data.prefetch", "≥ 0", self.prefetch)
         _require(self.sigma >= 0, "data.sigma", "≥ 0", self.sigma)
         _require(
             self.min_len <= self.max_len,

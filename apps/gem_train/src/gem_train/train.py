@@ -28,18 +28,7 @@ def train(cfg: TrainConfig) -> dict:
         reporter.print(note)
     run.model.train()
     for step in range(start, cfg.steps):
-        host_batch = next(run.batches)
-        lengths = host_batch.lengths.numpy()
-        max_len = int(lengths.max(initial=0))
-        batch = host_batch.to(run.device, non_blocking=True)
-        run.set_lr(step)
-        with run.autocast():
-            logits = run.model(batch, max_len)
-        loss, _ = loss_of(logits, batch)
-        run.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        run.clip_gradients()
-        run.optimizer.step()
+        batch, lengths, max_len, logits, loss = train_step(run, next(run.batches), step)
         reporter.step(step, logits, batch, loss, lengths, max_len)
         every = cfg.checkpoint.every
         if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
@@ -48,6 +37,22 @@ def train(cfg: TrainConfig) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return summary
+
+
+def train_step(run: Run, host_batch, step: int):
+    """One optimizer step on one batch; returns what the reporter needs (nothing synced)."""
+    lengths = host_batch.lengths.numpy()
+    max_len = int(lengths.max(initial=0))
+    batch = host_batch.to(run.device, non_blocking=True)
+    run.set_lr(step)
+    with run.autocast():
+        logits = run.model(batch, max_len)
+    loss, _ = loss_of(logits, batch)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    run.clip_gradients()
+    run.optimizer.step()
+    return batch, lengths, max_len, logits, loss
 
 
 def save(run: Run, step: int) -> None:

@@ -71,6 +71,9 @@ class Batch:
             }
         )
 
+    def pin_memory(self) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
     def select(self, index) -> "Batch":
         """The samples ``index`` (in that order) as a new batch."""
         index = torch.as_tensor(index, dtype=torch.int64)

@@ -8,16 +8,22 @@ default), ``gem_loadbalance.BaseBatchShuffler`` assembles each local batch from 
 samples so that its cost (``a·L + b·L²``, the model's per-token and per-pair FLOPs) lands on a
 target every rank shares, without communication: ranks with long histories take fewer of them.
 
-The stream is resumable: ``state_dict()`` holds the number of batches produced and the shuffler's
-state; ``load_state_dict`` followed by iteration continues with exactly the batches the
-uninterrupted run would have seen.
+Batches are assembled ``data.prefetch`` ahead by a background thread (pinned when training on
+CUDA), each paired with the stream's state right after it, so ``state_dict()`` describes the last
+batch handed to the trainer, never the read-ahead. The stream is resumable: ``load_state_dict``
+followed by iteration continues with exactly the batches the uninterrupted run would have seen.
 """
+
+import queue
+import threading
 
 import numpy as np
 
 from gem_train.config import DataConfig, ModelConfig
 from gem_train.data.batch import Batch
 from gem_train.data.synthetic import lognormal_lengths
+
+_END = object()
 
 
 class RankSubBatches:
@@ -76,12 +82,15 @@ class TrainBatches:
     """Iterator of this rank's local training batches; resumable through ``state_dict``."""
 
     def __init__(
-        self, source, data: DataConfig, model: ModelConfig, *, rank: int = 0, world: int = 1
-    ):
+        self, source, data: DataConfig, model: ModelConfig, *, rank: int = 0, world: int = 1,
+        pin: bool = False,
+    ):  # fmt: skip
         self.source, self.data, self.model = source, data, model
-        self.rank, self.world = rank, world
-        self.produced = 0
+        self.rank, self.world, self.pin, self.prefetch = rank, world, pin, data.prefetch
         self.shuffler = self._shuffler() if data.shuffle else None
+        self._state = {"produced": 0} | (
+            {"shuffler": self.shuffler.state_dict()} if self.shuffler else {}
+        )
         self._iterator = None
 
     def _shuffler(self):
@@ -110,13 +119,13 @@ class TrainBatches:
             expected_cost=expected_sample_cost(reference_lengths, a=a, b=b),
         )
 
-    def _batches(self):
+    def _batches(self, produced: int):
         if self.shuffler is not None:
             for samples in self.shuffler:
                 yield gather(samples)
             return
         per_batch = self.data.batch_size // self.data.sub_batch_size
-        start = self.produced * per_batch  # sub-batches are pure functions of their index
+        start = produced * per_batch  # sub-batches are pure functions of their index
         subs = iter(RankSubBatches(self.source, rank=self.rank, world=self.world, start=start))
         while True:
             parts = [s.batch for s in (next(subs, None) for _ in range(per_batch)) if s is not None]
@@ -124,29 +133,60 @@ class TrainBatches:
                 return
             yield Batch.cat(parts)
 
+    def _with_states(self, produced: int):
+        """``(batch, the stream's state right after it)`` pairs, pinned for a fast copy to CUDA."""
+        for batch in self._batches(produced):
+            produced += 1
+            state = {"produced": produced}
+            if self.shuffler is not None:
+                state["shuffler"] = self.shuffler.state_dict()
+            yield (batch.pin_memory() if self.pin else batch), state
+
+    def _start(self):
+        pairs = self._with_states(self._state["produced"])
+        if self.prefetch == 0:
+            return pairs
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+
+        def produce():
+            try:
+                for pair in pairs:
+                    ready.put(pair)
+                ready.put(_END)
+            except BaseException as exc:  # handed to the consumer, raised there
+                ready.put(exc)
+
+        threading.Thread(target=produce, name="gem-train-data", daemon=True).start()
+
+        def consume():
+            while (item := ready.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        return consume()
+
     def __iter__(self):
         return self
 
     def __next__(self) -> Batch:
         if self._iterator is None:
-            self._iterator = self._batches()
-        batch = next(self._iterator)
-        self.produced += 1
+            self._iterator = self._start()
+        batch, self._state = next(self._iterator)
         return batch
 
     def state_dict(self) -> dict:
-        state = {"produced": self.produced}
-        if self.shuffler is not None:
-            state["shuffler"] = self.shuffler.state_dict()
-        return state
+        """The position after the last batch handed out (read-ahead batches do not count)."""
+        return self._state
 
     def load_state_dict(self, state: dict) -> None:
+        if self._iterator is not None:
+            raise RuntimeError("load_state_dict must come before the first batch is taken")
         if ("shuffler" in state) != (self.shuffler is not None):
             raise ValueError(
                 "the checkpoint's data state was saved with data.shuffle="
                 f"{'shuffler' in state} but this run has data.shuffle={self.shuffler is not None}"
             )
-        self.produced = int(state["produced"])
         if self.shuffler is not None:
             self.shuffler.load_state_dict(state["shuffler"])
-        self._iterator = None
+        self._state = {**state, "produced": int(state["produced"])}
