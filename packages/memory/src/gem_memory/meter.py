@@ -38,6 +38,11 @@ class Mark:
     peak: int
 
 
+def _dense(t) -> bool:
+    """A tensor with a storage of its own to count (not sparse, not meta)."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
+
+
 class AccountingMeter(TorchDispatchMode):
     """Counts the bytes of every storage created by an op while the mode is active."""
 
@@ -53,13 +58,9 @@ class AccountingMeter(TorchDispatchMode):
         out = func(*args, **kwargs)
         # An output sharing an input's storage (a view, an in-place op) allocated nothing; this
         # also keeps views of tensors made before the meter started out of the count.
-        inputs = {
-            t.untyped_storage()._cdata
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and not t.is_meta
-        }
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _dense(t)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+            if _dense(t):
                 storage = t.untyped_storage()
                 if storage._cdata not in inputs:
                     self._register(storage)
@@ -133,7 +134,7 @@ def static_bytes(model: torch.nn.Module, *tensors) -> int:
         return torch.cuda.memory_allocated(device)
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers(), *tree_leaves(list(tensors))]:
-        if isinstance(t, torch.Tensor):
+        if _dense(t):
             storage = t.untyped_storage()
             seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
