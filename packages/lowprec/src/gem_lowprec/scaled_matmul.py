@@ -111,7 +111,7 @@ def quantize_rowwise(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m
     x = x.contiguous()  # row-major bytes: _scaled_mm takes operand b as its transposed view
     if x.is_cuda and not torch.compiler.is_compiling():
         if _compiled_rowwise is None:
-            _compiled_rowwise = torch.compile(_quantize_rowwise_eager, dynamic=False)
+            _compiled_rowwise = torch.compile(_quantize_rowwise_eager)  # goes dynamic on reshape
         return _compiled_rowwise(x, elem_dtype)
     return _quantize_rowwise_eager(x, elem_dtype)
 
