@@ -13,9 +13,10 @@ A region's policy is one of ``keep``, ``selective`` (save matmul and attention o
 the pointwise ops), ``full`` (recompute the region) and ``quantized`` (keep saved tensors in FP8 or
 MX). ``quantized_activations(fmt)`` is the context manager behind the last one, usable alone.
 
-Modules: ``meter`` (how peak memory is measured), ``quantize`` (packing saved tensors),
-``policies`` (applying a policy to a module), ``regions`` (which modules are regions), ``profile``
-(measuring regions), ``solver`` (the exact dynamic program), ``plan`` (the public entry point).
+Modules: ``meter`` (how peak memory is measured), ``quantize`` and ``mxfp4`` (packing saved
+tensors), ``policies`` (applying a policy to a module), ``regions`` (which modules are regions),
+``timeline`` (region edges in one step), ``profile`` (measuring regions), ``solver`` (the exact
+dynamic program), ``plan`` (the public entry point).
 """
 
 from .meter import measure_peak

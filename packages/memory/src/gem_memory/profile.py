@@ -37,6 +37,7 @@ from .meter import default_loss, make_meter, static_bytes
 from .policies import POLICIES, set_policy
 from .quantize import QuantizedConfig
 from .regions import resolve_regions
+from .timeline import record_timeline
 
 __all__ = ["PolicyProfile", "RegionProfile", "ModelProfile", "profile_model"]
 
@@ -232,7 +233,7 @@ def profile_model(
             static = static_bytes(model, *inputs)
             captured, order = _capture(model, inputs, named)
             shared = _shared_masks(captured, order, model, inputs)
-            timeline = _timeline(
+            timeline = record_timeline(
                 model,
                 inputs,
                 named,
@@ -328,15 +329,6 @@ def _map(fn, tree):
     return tree_unflatten([fn(x) for x in flat], spec)
 
 
-@dataclass
-class _Timeline:
-    events: list = field(default_factory=list)  # (kind, region index, Mark)
-    requires_grad: dict = field(default_factory=dict)  # name -> flags per flat input leaf
-    outputs: dict = field(default_factory=dict)  # name -> [(shape, dtype, device)] needing grads
-    without_exit: set = field(default_factory=set)  # regions whose backward end is not observable
-    policy: str = "keep"  # the policy every region ran under
-
-
 def _shared_masks(captured, order, model, inputs) -> dict[str, list[bool]]:
     """Per region and flat input leaf: is it shared (with another region, or held statically)?"""
     static = {
@@ -359,96 +351,6 @@ def _shared_masks(captured, order, model, inputs) -> dict[str, list[bool]]:
         ]
         for name in order
     }
-
-
-def _timeline(
-    model, inputs, named, order, shared, loss_fn, device, compile, policy, quantized
-) -> _Timeline:
-    """One step under the meter (every region under ``policy``), with a mark at each region's
-    forward and backward edges."""
-    index = {name: i for i, name in enumerate(order)}
-    tl = _Timeline(policy=policy)
-    meter = make_meter(device)
-
-    def mark(kind, i):
-        tl.events.append((kind, i, meter.mark()))
-
-    def pre_hook(name):
-        i = index[name]
-
-        def hook(module, args, kwargs):
-            mark("fwd_enter", i)
-            flat, _ = tree_flatten((args, kwargs))
-            tl.requires_grad[name] = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
-            watched = [
-                t
-                for t, rg, sh in zip(flat, tl.requires_grad[name], shared[name], strict=True)
-                if rg and not sh
-            ]
-            if not watched:
-                tl.without_exit.add(i)
-            pending = [len(watched)]
-
-            def input_grad_ready(grad):
-                pending[0] -= 1
-                if pending[0] == 0:
-                    mark("bwd_exit", i)
-
-            for t in watched:
-                t.register_hook(input_grad_ready)
-
-        return hook
-
-    def post_hook(name):
-        i = index[name]
-
-        def hook(module, args, kwargs, output):
-            mark("fwd_exit", i)
-            outs = [
-                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            tl.outputs[name] = [(t.shape, t.dtype, t.device) for t in outs]
-            fired = [False]
-
-            def output_grad_ready(grad):
-                if not fired[0]:
-                    fired[0] = True
-                    mark("bwd_enter", i)
-
-            for t in outs:
-                t.register_hook(output_grad_ready)
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in named.items()]
-    handles += [m.register_forward_hook(post_hook(n), with_kwargs=True) for n, m in named.items()]
-    for m in named.values():
-        set_policy(m, policy, quantized, compile=compile)
-    try:
-        with meter:
-            meter.mark()
-            loss = loss_fn(model(*inputs))
-            loss.backward()
-            del loss
-            mark("end", -1)
-    finally:
-        for h in handles:
-            h.remove()
-        for m in named.values():
-            set_policy(m, "keep")
-        for p in model.parameters():
-            p.grad = None
-    _exits_first(tl.events)
-    return tl
-
-
-def _exits_first(events) -> None:
-    """A region's backward ends and the previous one's begins on the same gradient: both hooks
-    fire back to back with nothing allocated between. Order such pairs end-then-begin."""
-    for k in range(len(events) - 1):
-        (kind_a, _, a), (kind_b, _, b) = events[k], events[k + 1]
-        if kind_a == "bwd_enter" and kind_b == "bwd_exit" and b.live == a.live and b.peak == b.live:
-            events[k], events[k + 1] = (kind_b, events[k + 1][1], a), (kind_a, events[k][1], b)
 
 
 def _isolate(named, order, captured, shared, tl, policies, quantized, reps, compile):
