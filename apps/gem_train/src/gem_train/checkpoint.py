@@ -4,7 +4,9 @@ A checkpoint is a folder ``step_<8 digits>`` written by ``torch.distributed.chec
 writes its shards in parallel; FSDP-sharded parameters and optimizer state are saved as shards and
 resharded on load) holding
 
-- ``model`` and ``optim``: from ``torch.distributed.checkpoint.state_dict.get_state_dict``;
+- ``model`` and ``optim``: from ``torch.distributed.checkpoint.state_dict.get_state_dict``
+  (gem_parallel's row-sharded embedding tables are viewed as row-sharded DTensors so that every
+  rank's rows are saved);
 - ``train.rank<r>``: per rank, the step, the data stream's position (including the shuffler's
   state) and the RNG states (torch CPU, CUDA), serialized with ``torch.save`` and loaded with
   ``weights_only=True``.
@@ -29,9 +31,47 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _row_sharded(model) -> dict[str, DeviceMesh]:
+    """Parameters that are this rank's block of rows of a table (gem_parallel's native sharded
+    embeddings: plain tensors, different on every rank), with the mesh of their group."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "shards") and hasattr(module, "mp_group"):
+            if getattr(module, "R", 1) != 1:
+                raise CheckpointError(
+                    f"{name}: checkpoints of replicated embedding shards are not supported"
+                )
+            device = next(iter(module.shards.values())).device.type
+            mesh = DeviceMesh.from_group(module.mp_group, device_type=device)
+            out.update({f"{name}.shards.{table}": mesh for table in module.shards})
+    return out
+
+
+def _as_global(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
+    """View each rank's row block as a row-sharded DTensor, so DCP saves every rank's rows (a
+    plain tensor would be taken for a replica and saved once)."""
+    for fqn, mesh in sharded.items():
+        model_sd[fqn] = DTensor.from_local(model_sd[fqn], mesh, [Shard(0)], run_check=False)
+        state = optim_sd["state"].get(fqn, {})
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+
+
+def _as_local(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
+    for fqn in sharded:
+        model_sd[fqn] = model_sd[fqn].to_local()
+        state = optim_sd["state"].get(fqn, {})
+        for key, value in state.items():
+            if isinstance(value, DTensor):
+                state[key] = value.to_local()
 
 
 class CheckpointError(RuntimeError):
@@ -121,6 +161,7 @@ class Checkpointer:
             partial.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        _as_global(model_sd, optim_sd, _row_sharded(model))
         buffer = io.BytesIO()
         torch.save({**train_state, "rng": rng_state()}, buffer)
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
@@ -159,11 +200,14 @@ class Checkpointer:
                 f"has {world} (the data position is per rank)"
             )
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        sharded = _row_sharded(model)
+        _as_global(model_sd, optim_sd, sharded)
         buffer = io.BytesIO()
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.load(state, checkpoint_id=str(path))
+        _as_local(state["model"], state["optim"], sharded)
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )

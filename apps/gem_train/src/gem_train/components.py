@@ -8,6 +8,7 @@ algorithm because all of this lives here.
 """
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -42,9 +43,15 @@ class Run:
         return contextlib.nullcontext()
 
     def set_lr(self, step: int) -> None:
-        """Linear warm-up over ``optim.warmup_steps``, then constant (a function of the step only)."""
-        warmup = self.cfg.optim.warmup_steps
-        factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        """Linear warm-up over ``optim.warmup_steps``, then cosine decay to ``optim.final_lr_fraction``
+        of the peak at the last step (a function of the step only, so resuming needs no state)."""
+        o, total = self.cfg.optim, self.cfg.steps
+        if step < o.warmup_steps:
+            factor = (step + 1) / o.warmup_steps
+        else:
+            progress = (step - o.warmup_steps) / max(1, total - 1 - o.warmup_steps)
+            cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+            factor = o.final_lr_fraction + (1 - o.final_lr_fraction) * cosine
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * factor
 

@@ -175,7 +175,8 @@ class OptimConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay (never applied to embeddings or norms)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.98, "AdamW beta2")
-    warmup_steps: int = opt(20, "linear warm-up steps, then constant")
+    warmup_steps: int = opt(20, "linear warm-up steps, then cosine decay")
+    final_lr_fraction: float = opt(0.1, "the cosine decay ends at this fraction of the peak")
     grad_clip: float = opt(1.0, "clip the dense tower's global gradient norm to this (0: off)")
 
     def validate(self) -> None:
@@ -185,6 +186,12 @@ class OptimConfig:
         _require(0 <= self.beta1 < 1, "optim.beta1", "in [0, 1)", self.beta1)
         _require(0 <= self.beta2 < 1, "optim.beta2", "in [0, 1)", self.beta2)
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "≥ 0", self.warmup_steps)
+        _require(
+            0 <= self.final_lr_fraction <= 1,
+            "optim.final_lr_fraction",
+            "in [0, 1]",
+            self.final_lr_fraction,
+        )
         _require(self.grad_clip >= 0, "optim.grad_clip", "≥ 0", self.grad_clip)
 
 
