@@ -242,3 +242,23 @@ def test_budgets_hold_on_the_gpu_by_max_memory_allocated(toy_factory):
         )
         measured.append(peak)
     assert measured == sorted(measured, reverse=True)
+
+
+def test_profile_of_compiled_regions_predicts_their_peak(toy_factory):
+    """Profiling with ``compile=`` measures the compiled regions, as the benchmark plans them."""
+    make_toy, toy_batch = toy_factory
+    torch._dynamo.reset()
+    compile_fn = functools.partial(torch.compile, backend="aot_eager")
+    model, x = make_toy(depth=1), toy_batch(length=16)
+    profile = gem_memory.profile_model(
+        model, x, policies=("keep", "full"), timing_reps=1, compile=compile_fn
+    )
+    for policy in ("keep", "full"):
+        plan = CheckpointPlan(
+            dict.fromkeys(["blocks.0", "head"], policy), 0, 0, 0.0, "time", profile
+        )
+        plan.apply(model, compile=compile_fn)
+        peak = gem_memory.measure_peak(model, x)
+        plan.remove(model)
+        predicted = profile.predict_peak([policy, policy])
+        assert abs(peak - predicted) <= 0.1 * predicted, (policy, peak, predicted)
