@@ -161,7 +161,7 @@ def measure(model, inputs, *, reps: int):
     try:
         train_step(model, inputs)  # warm-up (and compilation)
         _sync()
-        if torch.cuda.is_available():
+        if inputs[0].is_cuda:
             torch.cuda.reset_peak_memory_stats()
             train_step(model, inputs)
             _sync()
