@@ -1,40 +1,56 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine's fixed image (python3 with torch and triton; no uv, no network):
-# puts every package's src/ on PYTHONPATH, runs the gpu-marked tests, then every benchmark, and
-# prints one summary table last. Usage: scripts/gpu_check.sh [benchmark-glob ...]
-#   e.g. scripts/gpu_check.sh 'benchmarks/jagged/*.py'   (default: every benchmarks/*/*.py)
-# GEMKIT_SKIP_TESTS=1 skips the tests; GEMKIT_LOG_DIR keeps the full logs (default: a temp dir).
+# The GPU runner. On the GPU machine's fixed image (python3 with torch and triton; no uv, no
+# network) it puts every package's src/ on PYTHONPATH, runs the gpu-marked tests, then the
+# benchmarks, and prints one summary table last.
+#
+#   scripts/gpu_check.sh                          # gpu tests + every benchmarks/*/*.py
+#   scripts/gpu_check.sh "benchmarks/jagged/bench_gdpa.py --quick" benchmarks/lowprec/*.py
+#
+# Each argument is a benchmark script (a glob is fine) followed by its own arguments.
+# Environment: GEMKIT_SKIP_TESTS=1 skips the tests; GEMKIT_TEST_PATHS (default: tests);
+# GEMKIT_TEST_TIMEOUT / GEMKIT_BENCH_TIMEOUT bound each step in seconds; GEMKIT_LOG_DIR keeps
+# gpu_check.log (everything printed) and results.jsonl (the summary rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$(ls -d "$PWD"/packages/*/src "$PWD"/apps/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 log_dir="${GEMKIT_LOG_DIR:-$(mktemp -d)}"
 mkdir -p "$log_dir"
+log="$log_dir/gpu_check.log"
 export GEMKIT_RESULTS="$log_dir/results.jsonl"
 : > "$GEMKIT_RESULTS"
+: > "$log"
 
-python3 - <<'PY'
-import torch, triton
-print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-PY
+bounded() { # bounded SECONDS CMD...: run CMD with a time limit when SECONDS is set
+  if [ -n "$1" ]; then local s=$1; shift; timeout --signal=INT --kill-after=10 "$s" "$@"; else shift; "$@"; fi
+}
+
+python3 -c "import torch, triton; print(f'device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}')" 2>&1 | tee -a "$log"
 
 status=0
 if [ -z "${GEMKIT_SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -m "gpu" -n 0 -p no:cacheprovider tests 2>&1 | tee "$log_dir/gpu_tests.log"
+  # shellcheck disable=SC2086
+  bounded "${GEMKIT_TEST_TIMEOUT:-}" python3 -m pytest -q -m gpu -n 0 -p no:cacheprovider ${GEMKIT_TEST_PATHS:-tests} 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
-  echo "{\"benchmark\": \"gpu tests\", \"result\": \"$(tail -n 1 "$log_dir/gpu_tests.log" | tr -d '=' | xargs)\"}" >> "$GEMKIT_RESULTS"
+  summary=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1 | tr -d '=' | xargs)
+  echo "{\"benchmark\": \"gpu tests\", \"result\": \"${summary:-no summary (rc $rc)}\"}" >> "$GEMKIT_RESULTS"
 fi
 
-patterns=("$@")
-[ ${#patterns[@]} -gt 0 ] || patterns=('benchmarks/*/*.py')
-for pattern in "${patterns[@]}"; do
-  for script in $pattern; do
+specs=("$@")
+[ ${#specs[@]} -gt 0 ] || specs=(benchmarks/*/*.py)
+for spec in "${specs[@]}"; do
+  read -r -a words <<< "$spec"
+  for script in ${words[0]}; do
     [ -f "$script" ] || continue
-    name=$(basename "$script" .py)
-    echo; echo "=== $script"
-    python3 "$script" 2>&1 | tee "$log_dir/$name.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "{\"benchmark\": \"$name\", \"result\": \"FAILED\"}" >> "$GEMKIT_RESULTS"; }
+    case "$(basename "$script")" in common.py|_*|*_bench.py) continue ;; esac
+    echo; echo "=== $script ${words[*]:1}" | tee -a "$log"
+    bounded "${GEMKIT_BENCH_TIMEOUT:-}" python3 "$script" "${words[@]:1}" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then
+      status=1
+      echo "{\"benchmark\": \"$(basename "$script" .py)\", \"result\": \"exit $rc\"}" >> "$GEMKIT_RESULTS"
+    fi
   done
 done
 
