@@ -1,1 +1,7 @@
-"""gem_train."""
+"""gem_train: the reference trainer of gemkit.
+
+A GEM-like ranking model (``gem_train.model``) trained on synthetic or Parquet data
+(``gem_train.data``) with every package of the workspace applied from outside
+(``gem_train.optimizations``); ``gem_train.train.train(config)`` runs it and ``gem-train`` is the
+command line. See the README for the flags and named configs.
+"""
