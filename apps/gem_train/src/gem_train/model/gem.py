@@ -16,7 +16,10 @@ Reading ``forward`` top to bottom:
    (``x_{l+1} = x_0 ⊙ (W_l x_l + b_l) + x_l``), then an MLP.
 5. **Heads.** CTR and CVR logits, trained with binary cross-entropy on click and conversion.
 
-The model holds no parallelism: ``gem_parallel`` shards it from outside.
+``GemModel`` = the two embedding collections + ``DenseTower`` (steps 1's projections to 5). The
+split is where parallelism attaches: ``gem_parallel.shard_embeddings`` replaces the collections,
+``gem_parallel.apply_dense_parallel`` shards the tower with FSDP2 (each block and pooling layer a
+unit). The model itself holds no parallelism.
 """
 
 import torch
