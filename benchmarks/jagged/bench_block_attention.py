@@ -10,8 +10,9 @@ of the op; the anchors apply it outside, compiled, positions from each sequence 
   causal SDPA (flash backend) over the blocks as a batch (padding outside the timing).
 
 The ``(graph)`` row times CUDA-graph replays of the project's step (kernels without host-side
-launch cost). ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch
-errors fast.
+launch cost). The full run is already only the goal's rows, so ``--quick`` keeps every row and
+only shortens the timing loops (under a minute on an H200, compilation being most of it).
+``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast.
 """
 
 import argparse
@@ -25,6 +26,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_bench as ab  # noqa: E402
 import common  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -55,28 +58,20 @@ def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def flex_fn(lengths, device, smoke, block):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    lengths_t = torch.as_tensor(lengths, device=device)
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
-    pos = positions_of(lengths, device)
+    """Document ∧ same-block ∧ causal mask; RoPE (compiled) applied to q and k inside the timing."""
+    doc, pos = ab.doc_ids(lengths, device), positions_of(lengths, device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same_block = (doc[q_idx] == doc[kv_idx]) & (pos[q_idx] // block == pos[kv_idx] // block)
         return same_block & (q_idx >= kv_idx)
 
-    mask = create_block_mask(
-        mask_mod, None, None, len(doc), len(doc), device=device, _compile=not smoke
-    )
-    attend = flex_attention if smoke else torch.compile(flex_attention)
     rotate = rope if smoke else torch.compile(rope)
 
-    def fn(q, k, v):
-        q, k = rotate(q, pos), rotate(k, pos)
-        out = attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=mask)
-        return out.squeeze(0).transpose(0, 1)
+    def rotate_qk(q, k, v):
+        return rotate(q, pos), rotate(k, pos), v
 
-    return fn
+    total = len(doc)
+    return ab.flex_fn(mask_mod, total, total, device=device, smoke=smoke, prologue=rotate_qk)
 
 
 def padded_blocks_fn(lengths, device, smoke, block):
@@ -108,38 +103,10 @@ def padded_blocks_fn(lengths, device, smoke, block):
     return pad, to_blocks, fn
 
 
-def timed(fn, q, k, v, do, *, backward, bench, graph=False):
-    """Median ms of a forward (or forward + backward) step; ``graph`` times CUDA-graph replays."""
-    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-    if not backward:
-
-        def step():
-            with torch.no_grad():
-                fn(*leaves)
-
-    else:
-
-        def step():
-            torch.autograd.grad(fn(*leaves), leaves, do)
-
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            step()
-        return bench(cuda_graph.replay)
-    return bench(step)
-
-
-def run(smoke: bool) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    heads, head_dim, block = (HEADS, HEAD_DIM, BLOCK) if not smoke else (2, 32, 16)
+def run(smoke: bool, quick: bool) -> None:
+    device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
+    block = BLOCK if not smoke else 16
+    bench, anchor_bench = ab.benches(smoke, quick=quick)
     lengths = np.array([5, 40, 0, 17]) if smoke else common.workload_lengths("J5")
     print(f"# BlockAttention + RoPE, {common.environment()}, {dtype}, N={heads}, D={head_dim}")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -164,21 +131,16 @@ def run(smoke: bool) -> None:
         "padded SDPA+rope": (padded, (pq, pk, pv, pdo)),
     }
     pairs = block_pairs(lengths, block)
-    rows = []
+    rows, headline = [], {}
     for backward in (False, True):
         flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
-        ms = {}
-        for name, (fn, args) in fns.items():
-            measure = common.bench_ms if name == "block_attention" else common.try_bench
-            ms[name] = timed(fn, *args, backward=backward, bench=measure)
-        if device == "cuda":
-            ms["block_attention (graph)"] = timed(
-                project, q, k, v, do, backward=backward, bench=common.try_bench, graph=True
-            )
+        ms = ab.measure(
+            fns, project=("block_attention",), backward=backward, bench=bench,
+            anchor_bench=anchor_bench, graphed=("block_attention",),
+        )  # fmt: skip
         label = "fwd+bwd" if backward else "fwd"
         base = ms["block_attention"]
-        for name, t in ms.items():
-            rows.append(["J5", label, name, t, common.tflops(flops, t), t / base])
+        rows += ab.ratio_rows("J5", label, ms, flops, "block_attention")
         common.record(
             "block_attention",
             workload=f"J5 {label}",
@@ -187,14 +149,24 @@ def run(smoke: bool) -> None:
             x_flex=ms["flex+rope"] / base,
             x_padded_sdpa=ms["padded SDPA+rope"] / base,
         )
+        key = f"j5_{'fwdbwd' if backward else 'fwd'}"
+        for name, slug in (("flex+rope", "flex"), ("padded SDPA+rope", "padded_sdpa")):
+            headline[f"{key}_x_{slug}"] = ms[name] / base
+            if "block_attention (graph)" in ms:
+                headline[f"{key}_graph_x_{slug}"] = ms[name] / ms["block_attention (graph)"]
     common.print_table(
         f"BlockAttention (64-token causal blocks, RoPE) useful TFLOP/s, {common.environment()}",
-        ["workload", "pass", "impl", "ms", "TFLOP/s", "time / block_attention time"],
+        [*ab.RATIO_HEADER, "time / block_attention time"],
         rows,
     )
+    common.record("block_attention", workload="headline", **headline)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
-    run(parser.parse_args().smoke)
+    parser.add_argument(
+        "--quick", action="store_true", help="shorter timing loops (< 1 min on an H200)"
+    )
+    args = parser.parse_args()
+    run(args.smoke, args.quick)

@@ -12,9 +12,10 @@ backward 3.5× that. Anchors, measured in the same run (inputs padded or packed 
 
 Rows marked ``(graph)`` time CUDA-graph replays of the same step: the kernels alone, without
 the host-side cost of building work lists and dispatching (what a compiled, graph-captured
-training step pays). ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors)
-to catch errors fast; ``--quick`` skips the compiled anchors; ``--sweep`` also times a few tile
-configurations of the project's kernels.
+training step pays). ``--quick`` keeps the rows the goals name (under a minute on an H200): on J1
+everything above, on J3 and J4 GDPA beside padded SDPA (their goal's anchor), and drops the
+host-overhead rows. ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors)
+to catch errors fast; ``--sweep`` also times a few tile configurations of the project's kernels.
 """
 
 import argparse
@@ -29,23 +30,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_bench as ab  # noqa: E402
 import common  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from attention_bench import Workload  # noqa: E402
 from gem_jagged import gdpa  # noqa: E402
 from gem_jagged.ops.gdpa import triton as gdpa_kernels  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 128
 CANDIDATES, SEEDS = 64, 32
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    name: str
-    q_lengths: np.ndarray  # per sequence; for PMA every entry is the seed count
-    kv_lengths: np.ndarray
-    causal: bool
-    pma: bool = False
 
 
 def workloads(smoke: bool) -> list[Workload]:
@@ -56,17 +51,6 @@ def workloads(smoke: bool) -> list[Workload]:
         Workload("J3", j1, np.full(len(j1), cand), False),
         Workload("J4", np.full(len(j1), seeds), j1, False, pma=True),
     ]
-
-
-def make_inputs(w: Workload, device, dtype, heads, head_dim):
-    gen = torch.Generator(device=device).manual_seed(0)
-    tq = int(w.q_lengths[0]) if w.pma else int(w.q_lengths.sum())
-    tk, tout = int(w.kv_lengths.sum()), int(w.q_lengths.sum())
-
-    def rand(t):
-        return torch.randn(t, heads, head_dim, device=device, dtype=dtype, generator=gen)
-
-    return rand(tq), rand(tk), rand(tk), rand(tout)
 
 
 def project_fn(w, device, tiles=None):
@@ -119,72 +103,29 @@ def jfa_fn(w, device):
     return fn
 
 
-def _doc_ids(lengths, device):
-    lengths = torch.as_tensor(lengths, device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-
-
 def flex_fn(w, device, smoke):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    doc_q, doc_k = _doc_ids(w.q_lengths, device), _doc_ids(w.kv_lengths, device)
-    causal = w.causal
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same = doc_q[q_idx] == doc_k[kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
-
-    block_mask = create_block_mask(
-        mask_mod, None, None, len(doc_q), len(doc_k), device=device, _compile=not smoke
-    )
-    attend = flex_attention if smoke else torch.compile(flex_attention)
+    """FlexAttention with a document mask; PMA's seeds repeated once per sequence, as packed
+    queries (inside the timing)."""
+    mask = ab.document_mask(w.q_lengths, w.kv_lengths, device, causal=w.causal)
     batch = len(w.kv_lengths)
 
-    def fn(q, k, v):
-        if w.pma:  # the seeds, repeated once per sequence, as packed queries
-            q = q.repeat(batch, 1, 1)
-        out = attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask)
-        return out.squeeze(0).transpose(0, 1)
+    def repeat_seeds(q, k, v):
+        return q.repeat(batch, 1, 1), k, v
 
-    return fn
-
-
-def _pad(x, lengths, device):
-    length = int(max(lengths.max(), 1))
-    nested = torch.nested.nested_tensor_from_jagged(x, common.offsets_of(lengths, device))
-    return nested.to_padded_tensor(0.0, output_size=(len(lengths), length, *x.shape[1:]))
+    total_q, total_kv = int(w.q_lengths.sum()), int(w.kv_lengths.sum())
+    prologue = repeat_seeds if w.pma else None
+    return ab.flex_fn(mask, total_q, total_kv, device=device, smoke=smoke, prologue=prologue)
 
 
 def padded_inputs(w, q, k, v, do, device):
     """``[B, N, L, D]`` leaves and the key-padding mask ``[B, 1, 1, Lk]`` (None if all real)."""
-    batch = len(w.kv_lengths)
     if w.pma:
-        pq = q.unsqueeze(0).expand(batch, *q.shape).transpose(1, 2).contiguous()
+        pq = q.unsqueeze(0).expand(len(w.kv_lengths), *q.shape).transpose(1, 2).contiguous()
     else:
-        pq = _pad(q, w.q_lengths, device).transpose(1, 2)
-    pk, pv = (_pad(t, w.kv_lengths, device).transpose(1, 2) for t in (k, v))
-    pdo = _pad(do, w.q_lengths, device).transpose(1, 2)
-    lk = pk.shape[2]
-    key_mask = None
-    if not (w.kv_lengths == lk).all():
-        key_mask = (
-            torch.arange(lk, device=device)[None, :]
-            < torch.as_tensor(w.kv_lengths, device=device)[:, None]
-        )[:, None, None, :]
-    return pq, pk, pv, pdo, key_mask
-
-
-def padded_sdpa_fn(w, key_mask):
-    def fn(q, k, v):
-        if key_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal)
-        mask = key_mask
-        if w.causal:
-            lq, lk = q.shape[2], k.shape[2]
-            mask = mask & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    return fn
+        pq = ab.pad_heads(q, w.q_lengths, device)
+    pk, pv = (ab.pad_heads(t, w.kv_lengths, device) for t in (k, v))
+    pdo = ab.pad_heads(do, w.q_lengths, device)
+    return pq, pk, pv, pdo, ab.key_padding_mask(w.kv_lengths, pk.shape[2], device)
 
 
 def padded_act_fn(w, key_mask, smoke):
@@ -203,35 +144,6 @@ def padded_act_fn(w, key_mask, smoke):
     return fn if smoke else torch.compile(fn, dynamic=False)
 
 
-def timed(fn, q, k, v, do, *, backward, bench, graph=False):
-    """Median ms of a forward (or forward + backward) step; ``graph`` times CUDA-graph replays,
-    which removes the host-side launch cost (work-list construction, Python dispatch)."""
-    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-    if not backward:
-
-        def step():
-            with torch.no_grad():
-                fn(*leaves)
-
-    else:
-
-        def step():
-            torch.autograd.grad(fn(*leaves), leaves, do)
-
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            step()
-        return bench(cuda_graph.replay)
-    return bench(step)
-
-
 def sweep(device, dtype, smoke) -> None:
     heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
     base = gdpa_kernels.default_tiles(torch.device(device), head_dim)
@@ -248,11 +160,11 @@ def sweep(device, dtype, smoke) -> None:
     }
     rows = []
     for w in workloads(smoke):
-        q, k, v, do = make_inputs(w, device, dtype, heads, head_dim)
+        q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         for name, tiles in variants.items():
             fn = project_fn(w, device, tiles)
             fwd = common.try_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
-            both = timed(fn, q, k, v, do, backward=True, bench=common.try_bench)
+            both = ab.timed(fn, q, k, v, do, backward=True, bench=common.try_bench)
             rows.append([w.name, name, fwd, both])
     common.print_table("GDPA tile sweep (ms)", ["workload", "tiles", "fwd", "fwd+bwd"], rows)
 
@@ -278,46 +190,35 @@ def overhead(rows, w) -> None:
 
 
 def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
+    device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
+    bench, anchor_bench = ab.benches(smoke, quick=quick)
     print(f"# GDPA (SiLU), {common.environment()}, {dtype}, N={heads}, D={head_dim}")
-    rows = []
+    rows, headline = [], {}
     for w in workloads(smoke):
-        q, k, v, do = make_inputs(w, device, dtype, heads, head_dim)
-        pairs = common.attention_pairs(
-            w.q_lengths, None if w.causal else w.kv_lengths, causal=w.causal
-        )
+        q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         pq, pk, pv, pdo, key_mask = padded_inputs(w, q, k, v, do, device)
+        padded_sdpa = ab.padded_sdpa_fn(causal=w.causal, key_mask=key_mask)
         fns = {
             "gdpa": (project_fn(w, device), (q, k, v, do)),
-            "padded SDPA": (padded_sdpa_fn(w, key_mask), (pq, pk, pv, pdo)),
+            "padded SDPA": (padded_sdpa, (pq, pk, pv, pdo)),
         }
-        if not quick:
+        if not quick or w.name == "J1":
             fns["flex"] = (flex_fn(w, device, smoke), (q, k, v, do))
-        if w.name == "J1" and not quick:  # the activation anchor of workloads.md (slow compile)
+        if w.name == "J1":  # the activation anchor of workloads.md and the goal's yardstick
             fns["padded act"] = (padded_act_fn(w, key_mask, smoke), (pq, pk, pv, pdo))
-        if w.name == "J1":
             jfa = jfa_fn(w, device)
             if jfa is not None:
                 fns["JFA"] = (jfa, (q, k, v, do))
-        graphed = [n for n in ("gdpa", "JFA") if n in fns] if device == "cuda" else []
         for backward in (False, True):
-            flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
-            ms = {}
-            for name, (fn, args) in fns.items():
-                measure = common.bench_ms if name == "gdpa" else common.try_bench
-                ms[name] = timed(fn, *args, backward=backward, bench=measure)
-            for name in graphed:
-                fn, args = fns[name]
-                ms[f"{name} (graph)"] = timed(
-                    fn, *args, backward=backward, bench=common.try_bench, graph=True
-                )
+            flops = common.attention_flops(
+                w.pairs(), heads=heads, head_dim=head_dim, backward=backward
+            )
+            ms = ab.measure(
+                fns, project=("gdpa",), backward=backward, bench=bench, anchor_bench=anchor_bench,
+                graphed=[n for n in ("gdpa", "JFA") if n in fns],
+            )  # fmt: skip
             label = "fwd+bwd" if backward else "fwd"
-            for name, t in ms.items():
-                rows.append(
-                    [w.name, label, name, t, common.tflops(flops, t), t / ms["gdpa"]]
-                )  # fmt: skip
+            rows += ab.ratio_rows(w.name, label, ms, flops, "gdpa")
             common.record(
                 "gdpa",
                 workload=f"{w.name} {label}",
@@ -326,13 +227,21 @@ def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
                 **{f"x_{n.replace(' ', '_')}": ms[n] / ms["gdpa"] for n in ms if n != "gdpa"},
                 graph_ms=ms.get("gdpa (graph)", float("nan")),
             )
-    if device == "cuda":
+            key = f"{w.name.lower()}_{'fwdbwd' if backward else 'fwd'}"
+            for name in fns.keys() - {"gdpa"}:
+                slug = name.lower().replace(" ", "_")
+                headline[f"{key}_x_{slug}"] = ms[name] / ms["gdpa"]
+                if "gdpa (graph)" in ms:  # graph against graph where the anchor has one
+                    anchor = ms.get(f"{name} (graph)", ms[name])
+                    headline[f"{key}_graph_x_{slug}"] = anchor / ms["gdpa (graph)"]
+    if device == "cuda" and not quick:
         overhead(rows, workloads(smoke)[1])
     common.print_table(
         f"GDPA useful TFLOP/s, {common.environment()}",
-        ["workload", "pass", "impl", "ms", "TFLOP/s", "time / gdpa time"],
+        [*ab.RATIO_HEADER, "time / gdpa time"],
         rows,
     )
+    common.record("gdpa", workload="headline", **headline)
     if do_sweep:
         sweep(device, dtype, smoke)
 
@@ -342,7 +251,7 @@ if __name__ == "__main__":
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configurations")
     parser.add_argument(
-        "--quick", action="store_true", help="skip the compiled anchors (FlexAttention, padded act)"
+        "--quick", action="store_true", help="only the rows the goals name (< 1 min on an H200)"
     )
     args = parser.parse_args()
     run(args.smoke, args.sweep, args.quick)

@@ -17,15 +17,17 @@ remains); the ratios use the compiled figure, the anchors being compiled too. A 
 replays the project's step as a CUDA graph (the op is capturable: no host synchronisation), which
 removes the host's launch overhead and shows what the kernels themselves sustain.
 
-``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast;
-``--sweep`` also times a few kernel configurations of the project's kernel on J1 and J2.
+``--quick`` keeps the rows the goals name (under a minute on an H200): the project eager and
+graph-replayed on J1 and J2 beside FlexAttention and padded SDPA, on J3 beside padded SDPA; no
+compiled project (the ratios then use the eager figure) and no nested SDPA. ``--smoke`` runs tiny
+sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast; ``--sweep`` also times
+a few kernel configurations of the project's kernel on J1 and J2.
 """
 
 import argparse
 import dataclasses
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,22 +36,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_bench as ab  # noqa: E402
 import common  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from attention_bench import Workload  # noqa: E402
 from gem_jagged import jagged_flash_attention  # noqa: E402
 from gem_jagged.ops.jagged_flash_attention import _op  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 128
 CANDIDATES = 64  # J3: keys per sample
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    name: str
-    q_lengths: np.ndarray
-    kv_lengths: np.ndarray
-    causal: bool
+QUICK_FLEX = ("J1", "J2")  # --quick: the workloads whose goals name FlexAttention
 
 
 def workloads(smoke: bool) -> list[Workload]:
@@ -67,16 +65,6 @@ def workloads(smoke: bool) -> list[Workload]:
     ]
 
 
-def make_inputs(w: Workload, device, dtype, heads, head_dim):
-    gen = torch.Generator(device=device).manual_seed(0)
-    tq, tk = int(w.q_lengths.sum()), int(w.kv_lengths.sum())
-
-    def rand(t):
-        return torch.randn(t, heads, head_dim, device=device, dtype=dtype, generator=gen)
-
-    return rand(tq), rand(tk), rand(tk), rand(tq)
-
-
 def project_fn(w, q, k, v, device):
     q_off = common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
@@ -89,56 +77,6 @@ def project_fn(w, q, k, v, device):
         )
 
     return fn
-
-
-def flex_fn(w, q, k, v, device, smoke):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    doc_q = torch.repeat_interleave(
-        torch.arange(len(w.q_lengths), device=device), torch.as_tensor(w.q_lengths, device=device)
-    )
-    doc_k = torch.repeat_interleave(
-        torch.arange(len(w.kv_lengths), device=device), torch.as_tensor(w.kv_lengths, device=device)
-    )
-    causal = w.causal
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same = doc_q[q_idx] == doc_k[kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
-
-    block_mask = create_block_mask(
-        mask_mod, None, None, len(doc_q), len(doc_k), device=device, _compile=not smoke
-    )
-    attend = flex_attention if smoke else torch.compile(flex_attention)
-
-    def fn(q, k, v):
-        out = attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask)
-        return out.squeeze(0).transpose(0, 1)
-
-    return fn
-
-
-def padded_fn(w, device):
-    """Attention on padded ``[B, N, L, D]`` tensors (built outside the timing)."""
-    lq, lk = int(w.q_lengths.max()), int(w.kv_lengths.max())
-
-    def pad(x, lengths, length):
-        return torch.nested.nested_tensor_from_jagged(
-            x, common.offsets_of(lengths, device)
-        ).to_padded_tensor(0.0, output_size=(len(lengths), length, *x.shape[1:]))
-
-    def prepare(q, k, v, do):
-        return (
-            pad(q, w.q_lengths, lq).transpose(1, 2).detach().requires_grad_(),
-            pad(k, w.kv_lengths, lk).transpose(1, 2).detach().requires_grad_(),
-            pad(v, w.kv_lengths, lk).transpose(1, 2).detach().requires_grad_(),
-            pad(do, w.q_lengths, lq).transpose(1, 2),
-        )
-
-    def fn(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal)
-
-    return prepare, fn
 
 
 def nested_fn(w, device):
@@ -156,115 +94,73 @@ def nested_fn(w, device):
     return fn
 
 
-def timed(fn, q, k, v, do, *, backward, bench, graphed=False):
-    """Time one forward (or forward + backward) step; ``graphed`` replays it as a CUDA graph."""
-    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-    if not backward:
-
-        def step():
-            with torch.no_grad():
-                fn(*leaves)
-
-    else:
-
-        def step():
-            torch.autograd.grad(fn(*leaves), leaves, do)
-
-    if graphed:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return bench(graph.replay)
-    return bench(step)
-
-
-def _once(fn) -> float:
-    """Smoke mode: one call (the Triton interpreter is slow), timed on the host."""
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _anchor_bench(smoke: bool):
-    if not smoke:
-        return common.try_bench
-
-    def once(fn):
-        try:
-            return _once(fn)
-        except Exception as exc:
-            print(f"  anchor failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-            return float("nan")
-
-    return once
-
-
 ANCHORS = ("flex", "padded", "nested")
 
 
-def run(smoke: bool, sweep: bool, project_only: bool = False) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
-    bench = common.bench_ms if not smoke else _once
+def run(smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False) -> None:
+    device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
+    bench, anchor_bench = ab.benches(smoke, quick=quick)
     print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}")
-    rows = []
+    rows, headline = [], {}
     for w in workloads(smoke):
-        q, k, v, do = make_inputs(w, device, dtype, heads, head_dim)
-        pairs = common.attention_pairs(
-            w.q_lengths, w.kv_lengths if not w.causal else None, causal=w.causal
-        )
+        q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         project = project_fn(w, q, k, v, device)
         fns = {"project": (project, (q, k, v, do))}
-        if not smoke:  # smoke mode leaves compilation to the test suite's compile test
+        if not smoke and not quick:  # smoke mode leaves compilation to the compile test
             fns["compiled"] = (torch.compile(project, fullgraph=True), (q, k, v, do))
         if not project_only:
-            padded_prepare, padded = padded_fn(w, device)
-            fns["flex"] = (flex_fn(w, q, k, v, device, smoke), (q, k, v, do))
-            fns["padded"] = (padded, padded_prepare(q, k, v, do))
-            fns["nested"] = (nested_fn(w, device), (q, k, v, do))
+            if not quick or w.name in QUICK_FLEX:
+                mask = ab.document_mask(w.q_lengths, w.kv_lengths, device, causal=w.causal)
+                flex = ab.flex_fn(mask, len(q), len(k), device=device, smoke=smoke)
+                fns["flex"] = (flex, (q, k, v, do))
+            lengths = (w.q_lengths, w.kv_lengths, w.kv_lengths, w.q_lengths)
+            padded = [ab.pad_heads(t, n, device) for t, n in zip((q, k, v, do), lengths)]  # noqa: B905
+            fns["padded"] = (ab.padded_sdpa_fn(causal=w.causal), padded)
+            if not quick:
+                fns["nested"] = (nested_fn(w, device), (q, k, v, do))
+        base = "compiled" if "compiled" in fns else "project"
         for backward in (False, True):
-            flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
-            ms = dict.fromkeys((*ANCHORS, "compiled"), float("nan"))
-            for name, (fn, args) in fns.items():
-                measure = bench if name in ("project", "compiled") else _anchor_bench(smoke)
-                ms[name] = timed(fn, *args, backward=backward, bench=measure)
-            if device == "cuda":
-                ms["graphed"] = timed(
-                    project, q, k, v, do, backward=backward, bench=bench, graphed=True
-                )
-            else:
-                ms["graphed"] = float("nan")
+            flops = common.attention_flops(
+                w.pairs(), heads=heads, head_dim=head_dim, backward=backward
+            )
+            ms = dict.fromkeys((*ANCHORS, "compiled", "project (graph)"), float("nan"))
+            ms |= ab.measure(
+                fns, project=("project", "compiled"), backward=backward, bench=bench,
+                anchor_bench=anchor_bench, graphed=("project",),
+            )  # fmt: skip
             tf = {n: common.tflops(flops, t) for n, t in ms.items()}  # noqa: B023
             label = "fwd+bwd" if backward else "fwd"
-            best = ms["compiled"]
+            best, graphed = ms[base], ms["project (graph)"]
             rows.append(
-                [w.name, label, ms["project"], tf["project"], best, tf["compiled"],
-                 tf["graphed"], tf["flex"], tf["padded"], tf["nested"], ms["flex"] / best,
-                 ms["padded"] / best, ms["nested"] / best, ms["flex"] / ms["graphed"]]
+                [w.name, label, ms["project"], tf["project"], ms["compiled"], tf["compiled"],
+                 tf["project (graph)"], tf["flex"], tf["padded"], tf["nested"], ms["flex"] / best,
+                 ms["padded"] / best, ms["nested"] / best, ms["flex"] / graphed]
             )  # fmt: skip
             common.record(
                 "jagged_flash_attention",
                 workload=f"{w.name} {label}",
-                tflops=tf["compiled"],
+                tflops=tf[base],
                 tflops_eager=tf["project"],
-                tflops_graphed=tf["graphed"],
+                tflops_graphed=tf["project (graph)"],
                 x_flex=ms["flex"] / best,
                 x_padded=ms["padded"] / best,
             )
+            key = f"{w.name.lower()}_{'fwdbwd' if backward else 'fwd'}"
+            for anchor in ("flex", "padded"):
+                if anchor in fns:
+                    headline[f"{key}_x_{anchor}"] = ms[anchor] / best
+                    headline[f"{key}_graph_x_{anchor}"] = ms[anchor] / graphed
         del fns, q, k, v, do
     common.print_table(
-        f"jagged flash attention, useful TFLOP/s ({common.environment()})",
+        f"jagged flash attention, useful TFLOP/s ({common.environment()}); "
+        f"x = anchor time / {'compiled' if not (quick or smoke) else 'eager'} project time",
         ["workload", "pass", "eager ms", "eager", "compiled ms", "compiled", "graphed", "flex",
          "padded SDPA", "nested SDPA", "x flex", "x padded", "x nested", "graphed x flex"],
         rows,
     )  # fmt: skip
+    if headline:
+        basis = "eager" if quick or smoke else "compiled"
+        common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
     if sweep and device == "cuda":
         run_sweep(dtype)
 
@@ -286,12 +182,9 @@ def run_sweep(dtype) -> None:
     }
     rows = []
     for w in workloads(False):
-        q, k, v, do = make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
-        pairs = common.attention_pairs(
-            w.q_lengths, w.kv_lengths if not w.causal else None, causal=w.causal
-        )
+        q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
         flops_f, flops_b = (
-            common.attention_flops(pairs, heads=HEADS, head_dim=HEAD_DIM, backward=b)
+            common.attention_flops(w.pairs(), heads=HEADS, head_dim=HEAD_DIM, backward=b)
             for b in (False, True)
         )
         q_off = common.offsets_of(w.q_lengths, "cuda")
@@ -309,8 +202,8 @@ def run_sweep(dtype) -> None:
             jfa_triton._GPU_CONFIGS[HEAD_DIM] = cfg
             fn = unchecked
             try:
-                t_f = timed(fn, q, k, v, do, backward=False, bench=common.bench_ms)
-                t_b = timed(fn, q, k, v, do, backward=True, bench=common.bench_ms)
+                t_f = ab.timed(fn, q, k, v, do, backward=False, bench=common.bench_ms)
+                t_b = ab.timed(fn, q, k, v, do, backward=True, bench=common.bench_ms)
             except Exception as exc:  # a config that does not compile must not stop the sweep
                 print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                 t_f = t_b = float("nan")
@@ -350,6 +243,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, seconds")
     parser.add_argument("--sweep", action="store_true", help="also time kernel configurations")
-    parser.add_argument("--project-only", action="store_true", help="skip the anchors (quick)")
+    parser.add_argument("--project-only", action="store_true", help="skip the anchors")
+    parser.add_argument(
+        "--quick", action="store_true", help="only the rows the goals name (< 1 min on an H200)"
+    )
     args = parser.parse_args()
-    run(args.smoke, args.sweep, args.project_only)
+    run(args.smoke, args.sweep, args.project_only, args.quick)

@@ -2,7 +2,12 @@
 against fp64, forward and every gradient, with the tolerance rule of DESIGN.md; the custom op
 (opcheck, torch.compile, CUDA graphs) and every input error."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,6 +262,20 @@ def test_bad_inputs_raise_clear_errors(case):
             options[key] = change
     with pytest.raises((ValueError, TypeError), match=message):
         gdpa(args["q"], args["k"], args["v"], args["q_offsets"], args["kv_offsets"], **options)
+
+
+def test_benchmark_smoke_quick_runs_and_records_the_headline(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "jagged" / "bench_gdpa.py"
+    results = tmp_path / "results.jsonl"
+    result = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--quick"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "GEMKIT_RESULTS": str(results)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "GDPA useful TFLOP/s" in result.stdout
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    headline = [r for r in rows if r["workload"] == "headline"]
+    assert len(headline) == 1 and "j1_fwdbwd_x_jfa" in headline[0], headline
 
 
 # ------------------------------------------------------------------------------------------------
