@@ -47,6 +47,7 @@ def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
     commands = "\n".join(f"  {name:10s} {text}" for name, text in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog=f"gem-train{'' if command == 'train' else ' ' + command}",
+        usage="%(prog)s [--config NAME] [--<section>.<field> VALUE ...]",
         description=f"gemkit's reference trainer.\n\ncommands:\n{commands}\n\nnamed configs:\n{named}",
         epilog="Flags override single fields of the named config; defaults shown are the "
         f"{defaults.name!r} config's.",
@@ -58,12 +59,16 @@ def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
     if command == "plan":
         parser.add_argument("--gpus", type=int, default=1, help="GPUs to plan for")
     aliases = {v: k for k, v in SHORT_FLAGS.items()}
+    groups = {}
     for name, (owner, _, text) in fields_of(defaults).items():
         if name == "name":
             continue
+        section = name.split(".")[0] if "." in name else "run"
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"{section} ({type(owner).__name__})")
         value = getattr(owner, name.split(".")[-1])
         flags = [f"--{name}"] + ([f"--{aliases[name]}"] if name in aliases else [])
-        parser.add_argument(
+        groups[section].add_argument(
             *flags,
             dest=name,
             default=None,

@@ -22,7 +22,8 @@ from torch import nn
 from gem_train.components import make_source, resolve_device
 from gem_train.config import TrainConfig
 from gem_train.data.batch import Batch
-from gem_train.metrics import layer_flops, peak_flops
+from gem_train.data.synthetic import lognormal_lengths
+from gem_train.metrics import batch_flops, layer_flops, peak_flops
 from gem_train.model import GemModel
 
 
@@ -168,7 +169,6 @@ def model_spec(cfg: TrainConfig):
     """A ``gem_parallel`` ModelSpec of this config: parameter counts and work per GPU."""
     from gem_parallel.model_spec import ModelSpec
 
-    from gem_train.data.synthetic import lognormal_lengths
     from gem_train.model.embeddings import pooled_tables, sequence_tables
 
     m, d = cfg.model, cfg.data
@@ -204,6 +204,18 @@ def print_plan(cfg: TrainConfig, *, gpus: int) -> None:
     from gem_parallel.topology import Topology
 
     spec = model_spec(cfg)
+    d = cfg.data
+    lengths = lognormal_lengths(
+        np.random.default_rng(0),
+        4096,
+        median=d.median_len,
+        sigma=d.sigma,
+        lo=d.min_len,
+        hi=d.max_len,
+    )
+    per_sample = batch_flops(cfg.model, lengths) / len(lengths)
+    print(f"{cfg.name}: {per_sample / 1e9:.3g} GFLOP per sample (forward + backward, mean history "
+          f"{lengths.mean():.0f} tokens)")  # fmt: skip
     print(f"{cfg.name}: {spec.total_dense_params / 1e9:.3g}B dense parameters "
           f"({spec.expert_params / 1e9:.3g}B in experts), {spec.sparse_params / 1e9:.3g}B sparse")  # fmt: skip
     topology = Topology(num_gpus=gpus, gpus_per_host=min(8, gpus))
