@@ -60,7 +60,8 @@ def test_torchrun_two_processes_with_gloo(flags, tmp_path):
     summary_path = tmp_path / "summary.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gem_train.cli",
-        *flags(steps=3, **{"data.eval_batches": 2}), "--summary-json", str(summary_path),
+        *flags(steps=3, **{"data.eval_batches": 2, "model.ffn": "moe", "model.n_experts": 2}),
+        "--summary-json", str(summary_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
@@ -69,6 +70,7 @@ def test_torchrun_two_processes_with_gloo(flags, tmp_path):
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 3 * 8
     assert any("FSDP2" in note for note in summary["optimisations"])
     assert math.isfinite(summary["final_ne"]) and math.isfinite(summary["losses"][-1])
+    assert summary["history"][-1]["rank_imbalance"] >= 1.0
     assert done.stdout.count("done:") == 1  # only rank 0 reports
 
 

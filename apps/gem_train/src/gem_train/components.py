@@ -56,9 +56,30 @@ class Run:
             group["lr"] = group["base_lr"] * factor
 
     def clip_gradients(self) -> None:
-        """Clip the dense tower's global gradient norm (sharded or not; embeddings are not clipped)."""
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.dense.parameters(), self.cfg.optim.grad_clip)
+        """Clip the dense tower's global gradient norm (embeddings are not clipped).
+
+        Sharded, the norm is assembled per device mesh (experts and dense weights live on
+        different meshes, which one stacked norm cannot mix), at the cost of one host sync.
+        """
+        max_norm = self.cfg.optim.grad_clip
+        if max_norm <= 0:
+            return
+        params = [p for p in self.model.dense.parameters() if p.grad is not None]
+        if self.world == 1:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return
+        by_mesh: dict = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        squares = 0.0
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares += float(norm) ** 2
+        coefficient = max_norm / (math.sqrt(squares) + 1e-6)
+        if coefficient < 1.0:
+            for p in params:
+                p.grad.mul_(coefficient)
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -208,11 +208,17 @@ class ParallelConfig:
     backend: str = opt(
         "auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl"
     )
+    dp_replicate: int = opt(1, "HSDP replicas of the dense tower (1: plain FSDP over all ranks)")
+    ep: int = opt(1, "expert-parallel group size for model.ffn=moe (divides the shard group)")
 
     def validate(self) -> None:
         _choice("parallel.dense", self.dense, ("auto", "fsdp", "none"))
         _choice("parallel.embeddings", self.embeddings, ("auto", "native", "torchrec"))
         _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _require(
+            self.dp_replicate >= 1, "parallel.dp_replicate", "a positive integer", self.dp_replicate
+        )
+        _require(self.ep >= 1, "parallel.ep", "a positive integer", self.ep)
 
 
 @dataclass

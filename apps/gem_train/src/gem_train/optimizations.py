@@ -93,10 +93,22 @@ def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
         raise _missing(
             "running under torchrun with parallel.dense=fsdp", "gem_parallel", exc
         ) from exc
-    world = dist.get_world_size()
-    meshes = build_meshes(
-        MeshLayout(world=world, dp_replicate=1, dp_shard=world), device_type=device.type
+    world, p = dist.get_world_size(), cfg.parallel
+    if p.ep > 1:
+        raise RuntimeError(
+            f"parallel.ep={p.ep}: gem_parallel's MoE sizes its all-to-all buffers from each rank's "
+            "own token count, and jagged histories give every rank a different count, so the "
+            "exchange would mismatch; expert parallelism is not available for this model yet "
+            "(use parallel.ep=1: experts are then FSDP-sharded like the other weights)"
+        )
+    if world % p.dp_replicate:
+        raise RuntimeError(
+            f"parallel.dp_replicate={p.dp_replicate} does not divide the {world} processes"
+        )
+    layout = MeshLayout(
+        world=world, dp_replicate=p.dp_replicate, dp_shard=world // p.dp_replicate, ep=p.ep
     )
+    meshes = build_meshes(layout, device_type=device.type)
     backend = cfg.parallel.embeddings
     if backend == "auto":
         backend = (
@@ -118,7 +130,10 @@ def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
         dense, meshes, blocks=[*dense.blocks, dense.pma, dense.cross],
         config=DenseParallelConfig(param_dtype=param_dtype),
     )  # fmt: skip
-    return f"parallel: {world} ranks, embeddings sharded ({backend}), dense tower FSDP2"
+    return (
+        f"parallel: {world} ranks, embeddings sharded ({backend}), dense tower FSDP2 "
+        f"(dp_replicate={p.dp_replicate}, ep={p.ep})"
+    )
 
 
 def apply_optimizations(
