@@ -22,6 +22,8 @@ synchronisation; programs past the real tile count exit at once):
 - backward dK/dV: one program per (key tile, head), keys resident while query tiles stream past;
   for PMA it also reduces its dQ contribution and adds it once to a shared fp32 buffer.
 - backward dQ (not PMA): one program per (query tile, head), looping over key tiles.
+- cross-attention and PMA by default: one program per (sequence, head, part), no work list
+  (``triton_per_sequence.py``, built from the tile functions of this file).
 - relative bias gradient: each program reduces its buckets into a private row of a partial
   buffer ``[W, N, NB]``; one ``sum`` over ``W`` finishes it (deterministic, no atomics).
 """
@@ -405,182 +407,6 @@ def _gdpa_bwd_dq_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-sequence schedule (cross-attention and PMA): grid (B, N, SPLIT), no work list at all.
-# Program (b, n, part) takes every SPLIT-th tile of sequence b. Building a device work list costs
-# dozens of tiny launches; for the short problems of cross-attention over candidates and PMA
-# that costs more than the attention itself, so these kernels derive everything from the ids.
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _gdpa_fwd_seq_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr, q_offsets_ptr, kv_offsets_ptr,
-    stride_qt, stride_kt, stride_vt, stride_ot,
-    num_seeds, scale, out_scale, RADIUS, SPLIT,
-    H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BROADCAST_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    part = tl.program_id(2)
-    q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
-        q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q
-    )
-    diag = kv_len - q_len
-    head_col = head * H + tl.arange(0, H)
-    if BROADCAST_Q:
-        # PMA: the seeds stay on chip; key tiles part, part + SPLIT, ... stream past and the
-        # partial sums of the SPLIT programs of a sequence are added in fp32.
-        for q_start in range(0, q_len, BLOCK_M):
-            offs_m = q_start + tl.arange(0, BLOCK_M)
-            q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
-            acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
-            for start_n in range(part * BLOCK_N, kv_len, SPLIT * BLOCK_N):
-                acc_MH = _fwd_tile(
-                    acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
-                    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
-                    CAUSAL, BLOCK_N, IEEE,
-                )  # fmt: skip
-            out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
-            rows = (offs_m < q_len)[:, None]
-            tl.atomic_add(out_ptrs, acc_MH * out_scale, mask=rows, sem="relaxed")
-    else:
-        # Cross-attention: query tiles part, part + SPLIT, ... each stream the (short) keys.
-        for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
-            kv_hi = kv_len
-            kv_mid = kv_len
-            if CAUSAL:
-                kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
-                kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
-            offs_m = q_start + tl.arange(0, BLOCK_M)
-            q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
-            acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
-            for start_n in range(0, kv_mid, BLOCK_N):
-                acc_MH = _fwd_tile(
-                    acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
-                    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
-                    False, BLOCK_N, IEEE,
-                )  # fmt: skip
-            for start_n in range(kv_mid, kv_hi, BLOCK_N):
-                acc_MH = _fwd_tile(
-                    acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
-                    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
-                    CAUSAL, BLOCK_N, IEEE,
-                )  # fmt: skip
-            out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
-            rows = (offs_m < q_len)[:, None]
-            tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
-
-
-@triton.jit
-def _gdpa_bwd_dkdv_seq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
-    q_offsets_ptr, kv_offsets_ptr,
-    stride_qt, stride_kt, stride_vt, stride_dot, stride_dkt, stride_dvt, stride_dqt,
-    num_heads, num_seeds, scale, out_scale, RADIUS, SPLIT,
-    H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BROADCAST_Q: tl.constexpr, NB_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    # Key tiles part, part + SPLIT, ... of one sequence; each stays on chip (short candidate
-    # K/V: the whole K/V) while all query tiles that see it stream past. Every key tile has one
-    # owner, so dK and dV are stored, not added.
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    part = tl.program_id(2)
-    q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
-        q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q
-    )
-    diag = kv_len - q_len
-    head_col = head * H + tl.arange(0, H)
-    dbias_NB = tl.zeros((NB_POW2,), tl.float32)
-    for k_start in range(part * BLOCK_N, kv_len, SPLIT * BLOCK_N):
-        q_lo = 0
-        q_mid = 0
-        if CAUSAL:  # [q_lo, q_mid) crosses the diagonal; from q_mid on the whole tile is seen
-            q_lo = tl.minimum(tl.maximum(k_start - diag, 0) // BLOCK_M * BLOCK_M, q_len)
-            first_full = tl.maximum(k_start + BLOCK_N - 1 - diag - q_lo, 0)
-            q_mid = tl.minimum(q_lo + (first_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
-        offs_n = k_start + tl.arange(0, BLOCK_N)
-        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
-        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
-        dk_NH = tl.zeros((BLOCK_N, H), tl.float32)
-        dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
-        for q_start in range(q_lo, q_mid, BLOCK_M):
-            dk_NH, dv_NH, dbias_NB = _dkdv_tile(
-                dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
-                q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
-                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q,
-                CAUSAL, NB_POW2, BLOCK_M, IEEE,
-            )  # fmt: skip
-        for q_start in range(q_mid, q_len, BLOCK_M):
-            dk_NH, dv_NH, dbias_NB = _dkdv_tile(
-                dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
-                q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
-                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q,
-                False, NB_POW2, BLOCK_M, IEEE,
-            )  # fmt: skip
-        rows = (offs_n < kv_len)[:, None]
-        dk_ptrs = dk_ptr + (kv_begin + offs_n)[:, None] * stride_dkt + head_col[None, :]
-        dv_ptrs = dv_ptr + (kv_begin + offs_n)[:, None] * stride_dvt + head_col[None, :]
-        tl.store(dk_ptrs, (dk_NH * scale).to(dk_ptr.dtype.element_ty), mask=rows)
-        tl.store(dv_ptrs, (dv_NH * out_scale).to(dv_ptr.dtype.element_ty), mask=rows)
-    if BROADCAST_Q & HAS_BIAS:
-        slot = seq * SPLIT + part
-        idx = tl.arange(0, NB_POW2)
-        tl.store(dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx, dbias_NB)
-
-
-@triton.jit
-def _gdpa_bwd_dq_seq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
-    q_offsets_ptr, kv_offsets_ptr, stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt,
-    num_heads, scale, out_scale, RADIUS, SPLIT,
-    H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    # Query tiles part, part + SPLIT, ... of one sequence: dQ = scale · Σ dS K over the keys.
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    part = tl.program_id(2)
-    q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
-        q_offsets_ptr, kv_offsets_ptr, seq, 0, False
-    )
-    diag = kv_len - q_len
-    head_col = head * H + tl.arange(0, H)
-    dbias_NB = tl.zeros((NB_POW2,), tl.float32)
-    for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
-        kv_hi = kv_len
-        kv_mid = kv_len
-        if CAUSAL:
-            kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
-            kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
-        offs_m = q_start + tl.arange(0, BLOCK_M)
-        q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
-        do_MH = _load_rows(do_ptr, q_begin, offs_m, q_len, stride_dot, head_col)
-        dq_MH = tl.zeros((BLOCK_M, H), tl.float32)
-        for start_n in range(0, kv_mid, BLOCK_N):
-            dq_MH, dbias_NB = _dq_tile(
-                dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
-                stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
-                diag, ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
-            )  # fmt: skip
-        for start_n in range(kv_mid, kv_hi, BLOCK_N):
-            dq_MH, dbias_NB = _dq_tile(
-                dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
-                stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
-                diag, ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
-            )  # fmt: skip
-        dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
-        rows = (offs_m < q_len)[:, None]
-        tl.store(dq_ptrs, (dq_MH * scale).to(dq_ptr.dtype.element_ty), mask=rows)
-    if HAS_BIAS:
-        slot = seq * SPLIT + part
-        idx = tl.arange(0, NB_POW2)
-        tl.store(dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx, dbias_NB)
-
-
-# ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
@@ -623,11 +449,6 @@ def default_tiles(device: torch.device, head_dim: int) -> GdpaTiles:
     return GdpaTiles()
 
 
-def _split(batch: int, num_heads: int, tiles: GdpaTiles) -> int:
-    """Programs per (sequence, head) of the per-sequence schedule."""
-    return max(1, min(tiles.max_split, -(-tiles.split_target // max(1, batch * num_heads))))
-
-
 def _seed_block(num_seeds: int) -> int:
     return max(16, min(64, triton.next_power_of_2(max(num_seeds, 1))))
 
@@ -654,7 +475,9 @@ def gdpa_forward(
         IEEE=q_TNH.dtype == torch.float32,
     )  # fmt: skip
     if (broadcast_q or is_cross) and tiles.cross_schedule == "per_sequence":
-        return _forward_per_sequence(
+        from . import triton_per_sequence as per_sequence  # it imports this module's tile code
+
+        return per_sequence.forward_per_sequence(
             q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale, out_scale,
             broadcast_q, tiles, common,
         )  # fmt: skip
@@ -691,72 +514,6 @@ def gdpa_forward(
     return out.to(q_TNH.dtype)
 
 
-def _forward_per_sequence(
-    q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale, out_scale,
-    broadcast_q, tiles, common,
-):  # fmt: skip
-    num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
-    batch = kv_offsets_Bp1.numel() - 1
-    num_seeds = q_TNH.shape[0] if broadcast_q else 0
-    if broadcast_q:  # split key ranges add up in fp32
-        out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
-        block_m = _seed_block(num_seeds)
-    else:
-        out = torch.empty(
-            q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
-        )
-        block_m = tiles.fwd_m
-    split = _split(batch, num_heads, tiles)
-    if batch > 0:
-        _gdpa_fwd_seq_kernel[(batch, num_heads, split)](
-            q_TNH, k_TNH, v_TNH, out, bias, q_offsets_Bp1, kv_offsets_Bp1,
-            q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
-            num_seeds, scale, out_scale, radius, split,
-            BROADCAST_Q=broadcast_q, BLOCK_M=block_m, BLOCK_N=tiles.fwd_n,
-            num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **common,
-        )  # fmt: skip
-    return out.to(q_TNH.dtype)
-
-
-def _backward_per_sequence(
-    do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale, out_scale,
-    broadcast_q, has_bias, nb_pow2, tiles, common,
-):  # fmt: skip
-    device = q_TNH.device
-    num_heads = k_TNH.shape[1]
-    batch = kv_offsets_Bp1.numel() - 1
-    split = _split(batch, num_heads, tiles)
-    num_seeds = q_TNH.shape[0] if broadcast_q else 0
-    if broadcast_q:
-        dq = torch.zeros(q_TNH.shape, device=device, dtype=torch.float32)
-        block_m = _seed_block(num_seeds)
-    else:
-        dq = torch.empty_like(q_TNH)
-        block_m = tiles.dkdv_m
-    dk, dv = torch.empty_like(k_TNH), torch.empty_like(v_TNH)
-    dbias = torch.zeros(
-        (batch * split if has_bias else 1, num_heads, nb_pow2), device=device, dtype=torch.float32
-    )
-    if batch > 0:
-        _gdpa_bwd_dkdv_seq_kernel[(batch, num_heads, split)](
-            q_TNH, k_TNH, v_TNH, do_TNH, dk, dv, dq, bias, dbias, q_offsets_Bp1, kv_offsets_Bp1,
-            q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
-            dk.stride(0), dv.stride(0), dq.stride(0),
-            num_heads, num_seeds, scale, out_scale, radius, split,
-            BROADCAST_Q=broadcast_q, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
-            num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common,
-        )  # fmt: skip
-        if not broadcast_q:
-            _gdpa_bwd_dq_seq_kernel[(batch, num_heads, split)](
-                q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias, q_offsets_Bp1, kv_offsets_Bp1,
-                q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),
-                num_heads, scale, out_scale, radius, split,
-                BLOCK_M=tiles.dq_m, BLOCK_N=tiles.dq_n,
-                num_warps=tiles.dq_warps, num_stages=tiles.dq_stages, **common,
-            )  # fmt: skip
-    return dq, dk, dv, dbias
-
-
 def gdpa_backward(
     do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
     out_scale, broadcast_q, rel_bias_NB, is_cross, tiles: GdpaTiles | None = None,
@@ -777,7 +534,9 @@ def gdpa_backward(
     )  # fmt: skip
     device = q_TNH.device
     if (broadcast_q or is_cross) and tiles.cross_schedule == "per_sequence":
-        dq, dk, dv, dbias = _backward_per_sequence(
+        from . import triton_per_sequence as per_sequence  # it imports this module's tile code
+
+        dq, dk, dv, dbias = per_sequence.backward_per_sequence(
             do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale,
             out_scale, broadcast_q, has_bias, nb_pow2, tiles, common,
         )  # fmt: skip
