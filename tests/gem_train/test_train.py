@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
 from gem_train import cli
-from gem_train.data.parquet import write_example
 from gem_train.train import train
 
 SUMMARY_KEYS = {"steps", "samples", "final_ne", "final_auc", "qps", "wall_s"}
@@ -32,6 +32,7 @@ def test_tiny_learns_the_planted_signal(tmp_path):
 
 
 def test_tensorboard_logs_and_history(small, tmp_path):
+    pytest.importorskip("tensorboard", reason="TensorBoard logs need the tensorboard package")
     summary = train(small(metrics__tensorboard=str(tmp_path / "tb"), metrics__log_every=2))
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     assert [row["step"] for row in summary["history"]] == [2, 4, 6]
@@ -49,6 +50,9 @@ def test_tensorboard_logs_and_history(small, tmp_path):
 
 
 def test_trains_from_parquet(small, tmp_path):
+    pytest.importorskip("pyarrow", reason="the Parquet reader needs pyarrow")
+    from gem_train.data.parquet import write_example
+
     path = tmp_path / "example.parquet"
     cfg = small()
     write_example(str(path), cfg.data, cfg.model, rows=20)
