@@ -133,7 +133,7 @@ def measure(fns, *, project, backward, bench, anchor_bench, graphed=()) -> dict[
     if torch.cuda.is_available():
         for name in graphed:
             fn, args = fns[name]
-            measure_one = bench if name in project else common.try_bench
+            measure_one = bench if name in project else anchor_bench
             ms[f"{name} (graph)"] = timed(
                 fn, *args, backward=backward, bench=measure_one, graph=True
             )

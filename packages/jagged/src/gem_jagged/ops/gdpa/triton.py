@@ -36,6 +36,10 @@ import triton.language as tl
 
 from ..._worklist import key_tiles, query_tiles
 
+# Activation cost: on NVIDIA GPUs Triton already lowers an fp32 ``tl.exp`` to ``ex2.approx.f32``
+# of ``x·log2(e)`` and an fp32 ``/`` to the approximate ``div.full.f32`` (``tl.fdiv`` with
+# ``ieee_rounding=False`` is the same op), so ``tl.sigmoid`` costs one MUFU exp and one fast
+# division; rewriting it with ``exp2`` or ``fdiv`` would emit the same code.
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "sigmoid": 4, "identity": 5}
 
 
