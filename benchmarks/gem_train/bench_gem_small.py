@@ -34,9 +34,8 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from gem_train.components import build_run  # noqa: E402
 from gem_train.config import apply_overrides, named_config  # noqa: E402
-from gem_train.data.batch import Batch  # noqa: E402
 from gem_train.metrics import batch_flops, peak_flops  # noqa: E402
-from gem_train.mfu import measure_local_mfu  # noqa: E402
+from gem_train.mfu import local_mfu_of  # noqa: E402
 from gem_train.train import train_step  # noqa: E402
 
 VARIANTS = {
@@ -89,31 +88,18 @@ def run_variant(name: str, flags: dict, *, steps: int, warmup: int, smoke: bool)
     memory = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     )
-    sample = Batch.cat(
-        [
-            run.batches.source.sub_batch(k)
-            for k in range(cfg.data.batch_size // cfg.data.sub_batch_size)
-        ]
-    )
-    local = measure_local_mfu(
-        run.model,
-        cfg,
-        sample.to(device),
-        device=device,
-        peak=peak,
-        autocast=run.autocast,
-        reps=3 if smoke else 5,
-    )["local_mfu"]
+    last_loss = loss.item()
+    del run, logits, loss, batch  # free the training run before timing layers alone
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    local = local_mfu_of(cfg, reps=3 if smoke else 5)["local_mfu"]  # no recompute, by definition
     e2e = flops / seconds / peak if peak else float("nan")
     result = {
         "variant": name, "qps": samples / seconds, "step_ms": seconds / steps * 1e3, "e2e_mfu": e2e,
         "local_mfu": local, "scaling": e2e / local if local and not math.isnan(local) else float("nan"),
-        "peak_gib": memory, "loss": loss.item(),
+        "peak_gib": memory, "loss": last_loss,
     }  # fmt: skip
-    del run, logits, loss, batch
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 

@@ -133,7 +133,9 @@ def measure_local_mfu(
     return {"layers": rows, "local_mfu": local, "flops": total}
 
 
-def local_mfu(cfg: TrainConfig) -> dict:
+def local_mfu_of(cfg: TrainConfig, *, reps: int = 20) -> dict:
+    """Local MFU of ``cfg``'s model: built alone on one device with its numerics (low precision,
+    autocast) but no AutoAC recompute and no parallelism, timed on the first batch of the stream."""
     from gem_train.optimizations import apply_lowprec
 
     device = resolve_device(cfg.device)
@@ -151,9 +153,18 @@ def local_mfu(cfg: TrainConfig) -> dict:
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    result = measure_local_mfu(model, cfg, batch, device=device, peak=peak, autocast=autocast)
+    result = measure_local_mfu(
+        model, cfg, batch, device=device, peak=peak, autocast=autocast, reps=reps
+    )
+    return {**result, "device": str(device), "peak_flops": peak}
+
+
+def local_mfu(cfg: TrainConfig) -> dict:
+    """``gem-train mfu``: print the per-layer table and the FLOP-weighted Local MFU."""
+    result = local_mfu_of(cfg)
+    peak = result["peak_flops"]
     print(
-        f"Local MFU of {cfg.name} on {device} (peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s)"
+        f"Local MFU of {cfg.name} on {result['device']} (peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s)"
     )
     print("| layer | GFLOP fwd+bwd | ms | TFLOP/s | MFU |\n|---|---|---|---|---|")
     for r in result["layers"]:
