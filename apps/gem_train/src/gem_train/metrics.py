@@ -69,11 +69,11 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 class Window:
-    """Accumulates what happened since the last report: predictions, losses, work, time."""
+    """Accumulates what happened since the last report: predictions, losses and work done."""
 
     def __init__(self):
         self.logits, self.labels = defaultdict(list), defaultdict(list)
-        self.losses, self.steps, self.samples, self.tokens, self.padded_tokens = [], 0, 0, 0, 0
+        self.losses, self.samples, self.tokens, self.padded_tokens = [], 0, 0, 0
         self.flops = 0.0
 
     def add(self, logits: dict, labels: dict, *, tokens: int, padded_tokens: int, flops: float):
@@ -81,7 +81,6 @@ class Window:
         for task, value in logits.items():
             self.logits[task].append(value.detach())
             self.labels[task].append(labels[task].detach())
-        self.steps += 1
         self.samples += labels[next(iter(labels))].numel()
         self.tokens += tokens
         self.padded_tokens += padded_tokens

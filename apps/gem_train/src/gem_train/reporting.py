@@ -112,9 +112,10 @@ class Reporter:
         self.losses.extend(losses)
         w, self.window = self.window, Window()
         w.losses = losses
-        samples, flops, cost_sum, cost_max = _all_reduce(
-            [w.samples, w.flops, self.window_cost, self.window_cost], dist.ReduceOp.SUM
-        )[:3] + _all_reduce([self.window_cost], dist.ReduceOp.MAX)
+        samples, flops, cost_sum = _all_reduce(
+            [w.samples, w.flops, self.window_cost], dist.ReduceOp.SUM
+        )
+        (cost_max,) = _all_reduce([self.window_cost], dist.ReduceOp.MAX)
         self.window_cost = 0.0
         if not report:
             return
@@ -126,7 +127,7 @@ class Reporter:
             "step": step + 1,
             **w.quality(),
             "qps": samples / seconds,
-            "lr": self.run.optimizer.param_groups[0]["lr"],
+            "lr": max(group["lr"] for group in self.run.optimizer.param_groups),
         }
         row["rank_imbalance"] = cost_max / (cost_sum / world) if cost_sum else math.nan
         row["e2e_mfu"] = flops / seconds / (self.peak * world) if self.peak else math.nan
@@ -160,7 +161,7 @@ class Reporter:
                 steady["flops"] / steady["seconds"] / (self.peak * world)
                 if self.peak and steady["seconds"]
                 else math.nan
-            ),  # fmt: skip
+            ),
             "wall_s": time.perf_counter() - self.t_start,
             "world_size": world,
             "rank": self.run.rank,
