@@ -6,7 +6,7 @@ Rows (one process, one after another, same data, same steps):
   AutoAC (gem_memory), Base Batch Shuffling (gem_loadbalance);
 - ``jagged → padded SDPA``: history attention by ``scaled_dot_product_attention`` on a padded
   batch with the causal + relative-bias mask, PMA / cross-attention by padded PyTorch GDPA;
-- ``low precision → BF16``: no gem_lowprec conversion, BF16 autocast only;
+- ``low precision → BF16``: no gem_lowprec conversion (and no token alignment), BF16 autocast;
 - ``AutoAC → none``: every activation kept;
 - ``shuffling → none``: sub-batches concatenated in order;
 - ``PyTorch-native``: the anchor, the same model from PyTorch pieces: padded SDPA, BF16, no
@@ -41,12 +41,12 @@ from gem_train.train import train_step  # noqa: E402
 VARIANTS = {
     "all on": {},
     "jagged → padded SDPA": {"model.attention": "padded", "model.pooling_attention": "padded"},
-    "low precision → BF16": {"lowprec.recipe": "none"},
+    "low precision → BF16": {"lowprec.recipe": "none", "lowprec.token_multiple": "0"},
     "AutoAC → none": {"memory.autoac": "false"},
     "shuffling → none": {"data.shuffle": "false"},
     "PyTorch-native": {
         "model.attention": "padded", "model.pooling_attention": "padded", "lowprec.recipe": "none",
-        "memory.autoac": "false", "data.shuffle": "false",
+        "lowprec.token_multiple": "0", "memory.autoac": "false", "data.shuffle": "false",
     },
 }  # fmt: skip
 
@@ -57,12 +57,13 @@ SMOKE = {
     "model.advertiser_vocab": "100", "model.category_vocab": "32", "data.batch_size": "8",
     "data.sub_batch_size": "4", "data.median_len": "16", "data.min_len": "2", "data.max_len": "128",
     "memory.budget_gib": "2", "lowprec.autocast_bf16": "false", "model.embeddings": "native",
+    "lowprec.token_multiple": "128",
 }  # fmt: skip
 
 
 def run_variant(name: str, flags: dict, *, steps: int, warmup: int, smoke: bool) -> dict:
     cfg = named_config("gem-small")
-    overrides = {**(SMOKE if smoke else {}), **flags}
+    overrides = {**(SMOKE if smoke else {}), **flags}  # a variant's own flags win
     overrides.update({"steps": str(warmup + steps), "metrics.progress": "false"})
     overrides.setdefault("model.embeddings", "native")  # the GPU image has no torchrec
     cfg = apply_overrides(cfg, overrides)

@@ -159,3 +159,14 @@ def test_parquet_errors_name_the_problem(small, tmp_path):
         ParquetSource(
             small(data__source="parquet", data__path=str(tmp_path / "nope")).data, cfg.model
         )
+
+
+@pytest.mark.parametrize("multiple", [1, 64, 128])
+def test_padding_aligns_tokens_and_samples_and_keeps_the_real_ones_first(small, multiple):
+    cfg = small(data__batch_size=12, data__sub_batch_size=4)
+    batch = SyntheticStream(cfg.data, cfg.model).batch(0, batch_size=12)
+    padded = batch.padded(token_multiple=multiple)
+    assert padded.num_tokens % multiple == 0 and padded.num_samples % 16 == 0
+    assert _equal(padded.select(range(12)), batch)
+    tail = padded.select(range(12, padded.num_samples))
+    assert tail.click.sum() == 0 and tail.segments.numel() == 0 and tail.item.sum() == 0

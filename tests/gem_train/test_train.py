@@ -90,3 +90,11 @@ def test_plan_command_sizes_gem_large(capsys):
     assert cli.main(["plan", "--config", "gem-large", "--gpus", "1024"]) == 0
     out = capsys.readouterr().out
     assert "gem-large:" in out and "dense parameters" in out and '"layout"' in out
+
+
+def test_token_alignment_padding_leaves_the_training_unchanged(small):
+    plain = train(small(steps=3))
+    padded = train(small(steps=3, lowprec__token_multiple=64))
+    assert padded["samples"] == plain["samples"]
+    for a, b in zip(plain["losses"], padded["losses"], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), (plain["losses"], padded["losses"])

@@ -228,9 +228,15 @@ class LowPrecConfig:
         "gem_lowprec recipe for the dense linears: none, bf16, mxfp8 or fp8_rowwise",
     )
     autocast_bf16: bool = opt(False, "run the model under bf16 autocast (CUDA)")
+    token_multiple: int = opt(
+        0,
+        "append dummy samples (out of loss and metrics) so that each batch's token count is a "
+        "multiple of this and its sample count of 16: aligned fp8 GEMMs, few distinct shapes (0: off)",
+    )
 
     def validate(self) -> None:
         _choice("lowprec.recipe", self.recipe, ("none", "bf16", "mxfp8", "fp8_rowwise"))
+        _require(self.token_multiple >= 0, "lowprec.token_multiple", "≥ 0", self.token_multiple)
 
 
 @dataclass
@@ -320,7 +326,7 @@ def _gem_small() -> TrainConfig:
     )  # fmt: skip
     cfg.data = DataConfig(batch_size=64, sub_batch_size=16)  # J1 lengths
     cfg.optim = OptimConfig(lr=1e-3, warmup_steps=50)
-    cfg.lowprec = LowPrecConfig(recipe="mxfp8", autocast_bf16=True)
+    cfg.lowprec = LowPrecConfig(recipe="mxfp8", autocast_bf16=True, token_multiple=4096)
     cfg.memory = MemoryConfig(autoac=True)
     cfg.metrics = MetricsConfig(log_every=20)
     return cfg

@@ -103,14 +103,25 @@ def time_ms(fn, *, device: torch.device, warmup: int = 3, reps: int = 20) -> flo
 
 
 def measure_local_mfu(
-    model: GemModel, cfg: TrainConfig, batch: Batch, *, device, peak, autocast, reps: int = 20
+    model: GemModel,
+    cfg: TrainConfig,
+    batch: Batch,
+    *,
+    device,
+    peak,
+    autocast,
+    reps: int = 20,
+    lengths=None,
 ) -> dict:
-    """Per-layer time, FLOPs, TFLOP/s and MFU, and the FLOP-weighted Local MFU."""
-    lengths = batch.lengths.cpu().numpy()
-    max_len = int(lengths.max())
+    """Per-layer time, FLOPs, TFLOP/s and MFU, and the FLOP-weighted Local MFU.
+
+    ``lengths``: the real histories when ``batch`` carries padding samples (FLOPs count only them).
+    """  # fmt: skip
+    real = batch.lengths.cpu().numpy() if lengths is None else np.asarray(lengths)
+    max_len = int(batch.lengths.max())
     layers = layers_of(model)
     inputs = _capture_inputs(model, layers, batch, max_len, autocast)
-    flops = flops_by_layer(cfg, lengths)
+    flops = flops_by_layer(cfg, real)  # real samples only: padding never counts
     rows = []
     for name, layer in layers.items():
         args = _leaves(inputs[name])
@@ -145,7 +156,11 @@ def local_mfu_of(cfg: TrainConfig, *, reps: int = 20) -> dict:
         apply_lowprec(model, cfg.lowprec.recipe)
     source = make_source(cfg)
     per_batch = cfg.data.batch_size // cfg.data.sub_batch_size
-    batch = Batch.cat([source.sub_batch(k) for k in range(per_batch)]).to(device)
+    batch = Batch.cat([source.sub_batch(k) for k in range(per_batch)])
+    lengths = batch.lengths.numpy()
+    if cfg.lowprec.token_multiple:
+        batch = batch.padded(token_multiple=cfg.lowprec.token_multiple)
+    batch = batch.to(device)
     peak = peak_flops(device, cfg.metrics.peak_tflops)
 
     def autocast():
@@ -154,7 +169,7 @@ def local_mfu_of(cfg: TrainConfig, *, reps: int = 20) -> dict:
         return contextlib.nullcontext()
 
     result = measure_local_mfu(
-        model, cfg, batch, device=device, peak=peak, autocast=autocast, reps=reps
+        model, cfg, batch, device=device, peak=peak, autocast=autocast, reps=reps, lengths=lengths
     )
     return {**result, "device": str(device), "peak_flops": peak}
 

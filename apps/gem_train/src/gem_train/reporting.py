@@ -86,9 +86,10 @@ class Reporter:
     def step(
         self, step: int, logits: dict, batch, loss: torch.Tensor, lengths, max_len: int
     ) -> None:
-        labels = {"ctr": batch.click, "cvr": batch.conversion}
+        real = logits["ctr"].shape[0]  # padding samples (lowprec.token_multiple) come after
+        labels = {"ctr": batch.click[:real], "cvr": batch.conversion[:real]}
         self._pending_losses.append(loss.detach())
-        self.samples += batch.num_samples
+        self.samples += real
         self.window.add(
             logits, labels, tokens=int(lengths.sum()), padded_tokens=len(lengths) * max_len,
             flops=batch_flops(self.cfg.model, lengths),

@@ -40,13 +40,20 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def train_step(run: Run, host_batch, step: int):
-    """One optimizer step on one batch; returns what the reporter needs (nothing synced)."""
+    """One optimizer step on one batch; returns what the reporter needs (nothing synced).
+
+    With ``lowprec.token_multiple`` the batch gets dummy samples appended (aligned GEMM shapes);
+    their logits are dropped before the loss, and FLOPs and metrics count the real samples only.
+    """
     lengths = host_batch.lengths.numpy()
-    max_len = int(lengths.max(initial=0))
+    real, max_len = host_batch.num_samples, int(lengths.max(initial=0))
+    if run.cfg.lowprec.token_multiple:
+        host_batch = host_batch.padded(token_multiple=run.cfg.lowprec.token_multiple)
     batch = host_batch.to(run.device, non_blocking=True)
     run.set_lr(step)
     with run.autocast():
-        logits = run.model(batch, max_len)
+        logits = run.model(batch, int(host_batch.lengths.numpy().max(initial=0)))
+    logits = {task: value[:real] for task, value in logits.items()}
     loss, _ = loss_of(logits, batch)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -71,6 +71,34 @@ class Batch:
             }
         )
 
+    def padded(self, *, token_multiple: int, sample_multiple: int = 16) -> "Batch":
+        """This batch followed by dummy samples (ids 0, labels 0, no segments) so that the token
+        count is a multiple of ``token_multiple`` and the sample count of ``sample_multiple``.
+
+        Low-precision GEMMs need aligned row counts, and a bounded set of shapes lets a library
+        cache per-shape decisions. The real samples come first; callers keep their count and drop
+        the rest from the loss and the metrics.
+        """
+        n, tokens = self.num_samples, self.num_tokens
+        extra_tokens = -tokens % token_multiple
+        extra_samples = -n % sample_multiple
+        if extra_tokens and not extra_samples:
+            extra_samples = sample_multiple
+        if not extra_samples:
+            return self
+        lengths = torch.full((extra_samples,), extra_tokens // extra_samples, dtype=torch.int64)
+        lengths[: extra_tokens % extra_samples] += 1
+        zeros_T = torch.zeros(extra_tokens, dtype=torch.int64)
+        zeros_B = torch.zeros(extra_samples, dtype=torch.int64)
+        dummy = Batch(
+            offsets=_offsets(lengths), item=zeros_T, action=zeros_T, category=zeros_T,
+            time_bucket=zeros_T, user=zeros_B, segments=torch.zeros(0, dtype=torch.int64),
+            segment_offsets=torch.zeros(extra_samples + 1, dtype=torch.int64), ad=zeros_B,
+            ad_category=zeros_B, advertiser=zeros_B, click=torch.zeros(extra_samples),
+            conversion=torch.zeros(extra_samples),
+        )  # fmt: skip
+        return Batch.cat([self, dummy])
+
     def pin_memory(self) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
 

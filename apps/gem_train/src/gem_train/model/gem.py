@@ -150,10 +150,13 @@ class GemModel(nn.Module):
 def loss_of(
     logits: dict[str, torch.Tensor], batch: Batch
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum of the tasks' mean BCE losses, and each task's loss (detached)."""
+    """Sum of the tasks' mean BCE losses, and each task's loss (detached).
+
+    Labels beyond the logits' length (padding samples the caller sliced off) are ignored.
+    """
     per_task = {
         task: F.binary_cross_entropy_with_logits(
-            logits[task].float(), getattr(batch, LABEL_OF[task])
+            logits[task].float(), getattr(batch, LABEL_OF[task])[: logits[task].shape[0]]
         )
         for task in TASKS
     }
