@@ -194,3 +194,16 @@ def test_gpu_fused_quantize_merge_bit_exact(elem):
         ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
         assert torch.equal(data.cpu().view(torch.uint8), ref_data.view(torch.uint8))
         assert torch.allclose(scale.cpu(), ref_scale, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_gpu_first_call_timing_inside_checkpoint_saves_what_recompute_saves():
+    """The per-shape fp8-vs-bf16 timing runs on a shape's first call, which may be inside a
+    checkpointed region; its own saved tensors must not reach the checkpoint's hooks."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = LowPrecisionLinear(256, 384, recipe=Recipe(), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4096 + 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = checkpoint(layer, x, use_reentrant=False)  # a shape no earlier test has decided
+    y.float().square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -110,12 +110,14 @@ class HistorySelfAttention(nn.Module):
         return self.out(o.reshape(total, -1))
 
     def _padded(self, q, k, v, offsets, max_len):
-        (q_B, valid_BL), (k_B, _), (v_B, _) = (pad(t, offsets, max_len) for t in (q, k, v))
-        causal_LL = torch.ones(max_len, max_len, dtype=torch.bool, device=q.device).tril()
-        mask = torch.zeros(max_len, max_len, dtype=q.dtype, device=q.device)
+        # CUDA's fused SDPA kernels need the mask's row stride to be a multiple of 8 elements.
+        length = -(-max_len // 8) * 8
+        (q_B, valid_BL), (k_B, _), (v_B, _) = (pad(t, offsets, length) for t in (q, k, v))
+        causal_LL = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        mask = torch.zeros(length, length, dtype=q.dtype, device=q.device)
         mask = mask.masked_fill(~causal_LL, float("-inf"))
         if self.rel_bias is not None:
-            mask = mask + rel_bias_matrix(self.rel_bias, max_len).to(q.dtype)
+            mask = mask + rel_bias_matrix(self.rel_bias, length).to(q.dtype)
         # Padding sits after the real tokens, so with the causal mask no real query sees a pad key.
         o_BNLH = F.scaled_dot_product_attention(
             q_B.transpose(1, 2), k_B.transpose(1, 2), v_B.transpose(1, 2), attn_mask=mask[None]
