@@ -11,16 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 
-def _layer(d, h, e, k, cf, seed, dtype=torch.float64):
+def _layer(d, h, e, k, cf, seed, dtype=torch.float64, bound=None):
     torch.manual_seed(seed)
-    return MoE(MoEConfig(d, h, e, top_k=k, capacity_factor=cf)).to(dtype)
+    config = MoEConfig(d, h, e, top_k=k, capacity_factor=cf, max_tokens_per_rank=bound)
+    return MoE(config).to(dtype)
 
 
 def _reference(layer, x):
     cfg = layer.config
-    capacity = (
-        None if cfg.capacity_factor is None else cfg.capacity(x.reshape(-1, cfg.d_model).shape[0])
-    )
+    tokens = x.reshape(-1, cfg.d_model).shape[0]
+    capacity = None if cfg.capacity_factor is None else cfg.dispatch_capacity(tokens)
     return moe_reference(
         x,
         layer.router.weight,
@@ -36,11 +36,16 @@ def _reference(layer, x):
     experts=st.sampled_from([1, 2, 4, 5]),
     top_k=st.integers(1, 3),
     capacity_factor=st.sampled_from([None, 0.5, 1.0, 2.0]),
+    headroom=st.sampled_from([None, 0, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_forward_and_gradients_match_the_reference(tokens, experts, top_k, capacity_factor, seed):
+def test_forward_and_gradients_match_the_reference(
+    tokens, experts, top_k, capacity_factor, headroom, seed
+):
+    """Also with a token bound above the call's count: the capacity then derives from the bound."""
     top_k = min(top_k, experts)
-    layer = _layer(8, 12, experts, top_k, capacity_factor, seed)
+    bound = None if headroom is None else tokens + headroom
+    layer = _layer(8, 12, experts, top_k, capacity_factor, seed, bound=bound)
     x = torch.randn(
         tokens,
         8,
@@ -49,7 +54,7 @@ def test_forward_and_gradients_match_the_reference(tokens, experts, top_k, capac
         requires_grad=True,
     )
     out = layer(x)
-    ref_layer = _layer(8, 12, experts, top_k, capacity_factor, seed)
+    ref_layer = _layer(8, 12, experts, top_k, capacity_factor, seed, bound=bound)
     x_ref = x.detach().clone().requires_grad_(True)
     ref = _reference(ref_layer, x_ref)
     torch.testing.assert_close(out, ref)
@@ -110,11 +115,26 @@ def test_all_to_all_path_on_a_one_rank_group(one_rank_group):
         (dict(d_model=4, d_hidden=4, num_experts=2, top_k=3), "top_k=3 exceeds num_experts=2"),
         (dict(d_model=0, d_hidden=4, num_experts=2), "d_model must be >= 1"),
         (dict(d_model=4, d_hidden=4, num_experts=2, capacity_factor=0.0), "capacity_factor"),
+        (dict(d_model=4, d_hidden=4, num_experts=2, max_tokens_per_rank=0), "max_tokens_per_rank"),
     ],
 )
 def test_bad_config_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(**kwargs)
+
+
+def test_capacity_derives_from_the_token_bound():
+    config = MoEConfig(4, 4, 4, top_k=2, capacity_factor=1.0, max_tokens_per_rank=32)
+    assert config.dispatch_capacity(3) == config.dispatch_capacity(32) == 16  # 1.0 * 32 * 2 / 4
+    assert MoEConfig(4, 4, 4, max_tokens_per_rank=32).dispatch_capacity(5) == 32
+    assert MoEConfig(4, 4, 4).dispatch_capacity(5) == 5  # no bound: the call's own count
+
+
+def test_more_tokens_than_the_bound_is_named():
+    layer = _layer(8, 8, 2, 1, None, 0, bound=6)
+    layer(torch.zeros(2, 3, 8, dtype=torch.float64))  # 6 tokens: at the bound
+    with pytest.raises(ValueError, match=r"7 tokens but max_tokens_per_rank=6"):
+        layer(torch.zeros(7, 8, dtype=torch.float64))
 
 
 def test_wrong_width_is_named():
@@ -128,7 +148,7 @@ def test_dispatch_never_syncs_with_the_host():
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
-        layer = _layer(64, 128, 8, 2, 1.25, 0, dtype=torch.float32).cuda()
+        layer = _layer(64, 128, 8, 2, 1.25, 0, dtype=torch.float32, bound=300).cuda()
         layer.shard_experts(dist.group.WORLD)  # the all-to-all path, on NCCL
         x = torch.randn(256, 64, device="cuda", requires_grad=True)
         layer(x).sum().backward()  # warm-up (allocations, NCCL setup)

@@ -11,11 +11,23 @@ stalls the GPU). Here every (expert, source rank) pair owns a fixed number of *s
 capacity ``C``, so the buffers have static shapes:
 
 1. Each (token, choice) gets a slot: its rank among the assignments to the same expert, in token
-   order (a stable sort by expert; see ``_slots``). Assignments with slot >= C are dropped and counted in
-   ``MoE.dropped_assignments`` (a device tensor: reading it is the caller's choice, never a hidden
-   sync). With ``capacity_factor=None`` the capacity is the local token count, which no expert
-   can exceed (a token picks an expert at most once), so nothing is ever dropped; a capacity
-   factor trades that guarantee for smaller buffers, ``C = ceil(factor · T · top_k / E)``.
+   order (a stable sort by expert; see ``_slots``). Assignments with slot >= C are dropped and
+   counted in ``MoE.dropped_assignments`` (a device tensor: reading it is the caller's choice,
+   never a hidden sync). The capacity is a function of a token count ``N``: with
+   ``capacity_factor=None`` it is ``N`` itself, which no expert can exceed (a token picks an
+   expert at most once), so nothing is ever dropped; a capacity factor trades that guarantee for
+   smaller buffers, ``C = ceil(factor · N · top_k / E)``.
+
+   Which ``N``? The all-to-all needs every rank of the expert-parallel group to use the same
+   ``C``, agreed without communication. With ``max_tokens_per_rank=B`` set, ``N = B``: a bound
+   every rank shares by construction (a config value), so ranks may pass *different* token
+   counts ``T <= B`` (jagged batches) and the buffers still match; a rank passing ``T > B`` gets
+   a ``ValueError`` (a shape check on the host, no sync). Without a bound, ``N = T``, the local
+   token count: fine on one process, but under expert parallelism every rank of the group must
+   then pass the same ``T`` (equal-sized batches). The price of the bound is buffer size and
+   expert FLOPs proportional to ``B`` rather than ``T``; a tight bound (or a capacity factor)
+   keeps it small. Exchanging the per-expert counts and sizing the buffers from the group's
+   maximum would be tighter but needs that maximum on the host, the sync this layer avoids.
 2. Tokens are scattered into a zero buffer ``[E, C, d]`` (expert-major, so the slice for the
    ``ep`` ranks is contiguous), exchanged with one ``all_to_all_single`` of equal splits, and the
    received ``[ep, E_local, C, d]`` is regrouped to ``[E_local, ep·C, d]``: one batched matmul per
@@ -51,6 +63,9 @@ class MoEConfig:
     num_experts: int
     top_k: int = 2
     capacity_factor: float | None = None  # None: no assignment is ever dropped
+    # Tokens any rank may pass; the capacity derives from it, so it must be the same on every
+    # rank of an expert-parallel group. None: from each call's own token count.
+    max_tokens_per_rank: int | None = None
 
     def __post_init__(self):
         for name in ("d_model", "d_hidden", "num_experts", "top_k"):
@@ -60,6 +75,25 @@ class MoEConfig:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ValueError(
+                f"max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}"
+            )
+
+    def dispatch_capacity(self, num_tokens: int) -> int:
+        """Slots per (expert, source rank) for a call with ``num_tokens`` tokens: the capacity of
+        ``max_tokens_per_rank`` when set (after checking the call stays within it), else of
+        ``num_tokens``."""
+        bound = self.max_tokens_per_rank
+        if bound is None:
+            return self.capacity(num_tokens)
+        if num_tokens > bound:
+            raise ValueError(
+                f"MoE input has {num_tokens} tokens but max_tokens_per_rank={bound}; the bound is "
+                "shared by every rank of the expert-parallel group and sizes the all-to-all "
+                "buffers, so raise max_tokens_per_rank (on every rank) or pass fewer tokens"
+            )
+        return self.capacity(bound)
 
     def capacity(self, num_tokens: int) -> int:
         if self.capacity_factor is None:
@@ -174,7 +208,7 @@ class MoE(nn.Module):
             )
         x_Td = x.reshape(-1, cfg.d_model)
         T, E, k = x_Td.shape[0], cfg.num_experts, cfg.top_k
-        C = cfg.capacity(T)
+        C = cfg.dispatch_capacity(T)
 
         probs_TE = torch.softmax(self.router(x_Td).float(), dim=-1)
         gate_Tk, expert_Tk = torch.topk(probs_TE, k, dim=-1)
