@@ -60,11 +60,12 @@ def test_trains_from_parquet(small, tmp_path):
     assert summary["samples"] == 3 * 8 and math.isfinite(summary["losses"][-1])
 
 
-def test_torchrun_two_processes_with_gloo(flags, tmp_path):
-    summary_path = tmp_path / "summary.json"
+def _torchrun_moe(flags, tmp_path, *, ep: int) -> dict:
+    summary_path = tmp_path / f"summary_ep{ep}.json"
+    moe = {"model.ffn": "moe", "model.n_experts": 2, "parallel.ep": ep}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gem_train.cli",
-        *flags(steps=3, **{"data.eval_batches": 2, "model.ffn": "moe", "model.n_experts": 2}),
+        *flags(steps=3, **{"data.eval_batches": 2, **moe}),
         "--summary-json", str(summary_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -72,10 +73,18 @@ def test_torchrun_two_processes_with_gloo(flags, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 3 * 8
-    assert any("FSDP2" in note for note in summary["optimisations"])
+    assert any("FSDP2" in note and f"ep={ep}" in note for note in summary["optimisations"])
     assert math.isfinite(summary["final_ne"]) and math.isfinite(summary["losses"][-1])
     assert summary["history"][-1]["rank_imbalance"] >= 1.0
     assert done.stdout.count("done:") == 1  # only rank 0 reports
+    return summary
+
+
+def test_torchrun_two_processes_with_gloo(flags, tmp_path):
+    """MoE experts FSDP-sharded (ep=1), then split over the 2 ranks (ep=2) although their jagged
+    batches hold different token counts: nothing is dropped, so both train identically."""
+    fsdp, expert_parallel = (_torchrun_moe(flags, tmp_path, ep=ep) for ep in (1, 2))
+    assert expert_parallel["losses"] == pytest.approx(fsdp["losses"], rel=1e-5)
 
 
 def test_mfu_command_reports_every_layer(flags, capsys):
@@ -98,3 +107,21 @@ def test_token_alignment_padding_leaves_the_training_unchanged(small):
     assert padded["samples"] == plain["samples"]
     for a, b in zip(plain["losses"], padded["losses"], strict=True):
         assert math.isclose(a, b, rel_tol=1e-5), (plain["losses"], padded["losses"])
+
+
+def test_expert_parallel_token_bound_is_shared_and_named(small):
+    """Under ``parallel.ep > 1`` every MoE gets the flag's bound (or the data config's largest
+    batch), and a rank whose batch exceeds it gets an error naming the flag."""
+    import torch
+    from gem_train.model.blocks import Block
+    from gem_train.optimizations import bound_moe_tokens
+
+    moe = {"model__ffn": "moe", "model__n_experts": 2, "parallel__ep": 2}
+    cfg = small(**moe, parallel__ep_max_tokens=5)
+    block = Block(cfg.model)
+    assert bound_moe_tokens(block, cfg) == 5 and block.ffn.config.max_tokens_per_rank == 5
+    assert block.ffn(torch.randn(5, cfg.model.d_model)).shape == (5, cfg.model.d_model)
+    with pytest.raises(ValueError, match="6 history tokens .* parallel.ep_max_tokens=5"):
+        block.ffn(torch.randn(6, cfg.model.d_model))
+    padded = small(**moe, lowprec__token_multiple=100)  # batch 8 × max_len 64 = 512 → 600
+    assert bound_moe_tokens(Block(padded.model), padded) == 600

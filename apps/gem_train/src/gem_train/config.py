@@ -210,6 +210,12 @@ class ParallelConfig:
     )
     dp_replicate: int = opt(1, "HSDP replicas of the dense tower (1: plain FSDP over all ranks)")
     ep: int = opt(1, "expert-parallel group size for model.ffn=moe (divides the shard group)")
+    ep_max_tokens: int = opt(
+        0,
+        "history tokens any rank may hold in one batch with ep > 1: sizes every MoE's all-to-all "
+        "buffers, the same on all ranks (0: data.batch_size × data.max_len, rounded up to "
+        "lowprec.token_multiple; a tighter bound saves memory and expert FLOPs)",
+    )
 
     def validate(self) -> None:
         _choice("parallel.dense", self.dense, ("auto", "fsdp", "none"))
@@ -219,6 +225,7 @@ class ParallelConfig:
             self.dp_replicate >= 1, "parallel.dp_replicate", "a positive integer", self.dp_replicate
         )
         _require(self.ep >= 1, "parallel.ep", "a positive integer", self.ep)
+        _require(self.ep_max_tokens >= 0, "parallel.ep_max_tokens", "≥ 0", self.ep_max_tokens)
 
 
 @dataclass

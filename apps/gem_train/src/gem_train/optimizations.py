@@ -13,10 +13,15 @@ sharding, since each later step wraps what the earlier ones produced):
 4. **Parallelism** (under torchrun with several processes): embeddings are sharded by
    ``gem_parallel.shard_embeddings`` over all ranks, the dense tower by
    ``gem_parallel.apply_dense_parallel`` (FSDP2, every block and pooling layer its own unit).
+   With ``parallel.ep > 1`` each MoE's experts are split over the expert-parallel group; ranks
+   hold jagged batches with different token counts, so every MoE first gets a token bound all
+   ranks share (``parallel.ep_max_tokens``), which sizes its all-to-all buffers.
 
 A flag asking for a package that is not installed fails here with a message naming the flag and
 the missing piece; nothing falls back silently.
 """
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -94,13 +99,9 @@ def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
             "running under torchrun with parallel.dense=fsdp", "gem_parallel", exc
         ) from exc
     world, p = dist.get_world_size(), cfg.parallel
+    ep_note = ""
     if p.ep > 1:
-        raise RuntimeError(
-            f"parallel.ep={p.ep}: gem_parallel's MoE sizes its all-to-all buffers from each rank's "
-            "own token count, and jagged histories give every rank a different count, so the "
-            "exchange would mismatch; expert parallelism is not available for this model yet "
-            "(use parallel.ep=1: experts are then FSDP-sharded like the other weights)"
-        )
+        ep_note = f", {bound_moe_tokens(model, cfg)} tokens per rank at most"
     if world % p.dp_replicate:
         raise RuntimeError(
             f"parallel.dp_replicate={p.dp_replicate} does not divide the {world} processes"
@@ -132,8 +133,34 @@ def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
     )  # fmt: skip
     return (
         f"parallel: {world} ranks, embeddings sharded ({backend}), dense tower FSDP2 "
-        f"(dp_replicate={p.dp_replicate}, ep={p.ep})"
+        f"(dp_replicate={p.dp_replicate}, ep={p.ep}{ep_note})"
     )
+
+
+def bound_moe_tokens(model: nn.Module, cfg: TrainConfig) -> int:
+    """Give every MoE the per-rank token bound ``parallel.ep_max_tokens`` (or the largest batch the
+    data config allows) and a host-side check naming that flag; returns the bound.
+
+    Expert parallelism exchanges fixed-size buffers, so all ranks must size them alike although
+    their jagged batches differ; the bound is a config value, hence the same everywhere."""
+    from gem_parallel import MoE
+
+    d, multiple = cfg.data, max(1, cfg.lowprec.token_multiple)
+    bound = cfg.parallel.ep_max_tokens or -(-d.batch_size * d.max_len // multiple) * multiple
+
+    def check(module, args):
+        tokens = args[0].reshape(-1, module.config.d_model).shape[0]
+        if tokens > bound:
+            raise ValueError(
+                f"a batch holds {tokens} history tokens on this rank but "
+                f"parallel.ep_max_tokens={bound} (expert parallelism sizes its buffers from it); "
+                "raise parallel.ep_max_tokens"
+            )
+
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.config = dataclasses.replace(moe.config, max_tokens_per_rank=bound)
+        moe.register_forward_pre_hook(check)
+    return bound
 
 
 def apply_optimizations(
