@@ -11,7 +11,6 @@ in a fraction of a second); each sets one intra-op thread first.
 """
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from parallel_fp8_weight import (  # noqa: E402
     fp8_all_gather_hook,
     quantize_rows,
 )
+from parallel_launch import free_port  # noqa: E402
 from parallel_tiny_model import (  # noqa: E402
     batches,
     make_model,
@@ -38,12 +38,6 @@ from parallel_tiny_model import (  # noqa: E402
 )
 
 FP32 = {"rtol": 1e-4, "atol": 1e-5}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_params(model, meshes) -> dict[str, torch.Tensor]:
@@ -127,13 +121,13 @@ def _fp8_worker(rank, world, port):
 
 
 def test_two_processes_fp8_all_gather_through_the_hook():
-    mp.start_processes(_fp8_worker, args=(2, _free_port()), nprocs=2, start_method="fork")
+    mp.start_processes(_fp8_worker, args=(2, free_port()), nprocs=2, start_method="fork")
 
 
 def _run(world, layouts, tmp_path):
     mp.start_processes(
         _worker,
-        args=(world, _free_port(), layouts, str(tmp_path)),
+        args=(world, free_port(), layouts, str(tmp_path)),
         nprocs=world,
         start_method="fork",
     )

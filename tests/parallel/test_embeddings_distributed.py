@@ -11,7 +11,6 @@ The file is also the launcher: ``python test_embeddings_distributed.py --device 
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +23,6 @@ if __name__ != "__main__":
     import torch
 
 WORLD, REPLICAS = 4, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(device: str, world: int, timeout: int, backend: str = "native") -> None:
@@ -294,37 +287,17 @@ def _worker(rank: int, world: int, port: int, device_type: str, backend_name: st
     os._exit(0)
 
 
-def _launch(world: int, *args) -> int:
-    """Start ``world`` spawned workers; stop all of them as soon as one fails."""
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, world, *args)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    running = list(procs)
-    while running:
-        wait([p.sentinel for p in running])
-        running = [p for p in running if p.is_alive()]
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for p in running:
-                p.terminate()
-            for p in procs:
-                p.join()
-            break
-    return max(abs(p.exitcode) for p in procs)
-
-
 if __name__ == "__main__":
     import argparse
+
+    from parallel_launch import free_port, launch_spawned  # the script's folder is on sys.path
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--world", type=int, default=WORLD)
     parser.add_argument("--backend", choices=["native", "torchrec"], default="native")
     args = parser.parse_args()
-    failed = _launch(args.world, _free_port(), args.device, args.backend)
+    failed = launch_spawned(_worker, args.world, free_port(), args.device, args.backend)
     if failed:
         sys.exit(f"a rank failed (exit code {failed})")
     print(f"all {args.world} ranks passed")

@@ -6,7 +6,8 @@ on each rank's tokens. fp64, so they agree to round-off. Processes are forked fr
 process (torch already imported), one intra-op thread each."""
 
 import os
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,14 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gem_parallel.moe import MoE, MoEConfig, moe_reference
 
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_launch import free_port  # noqa: E402
+
 WORLD, D_MODEL, D_HIDDEN, EXPERTS, TOP_K, BOUND = 2, 8, 12, 4, 2, 11
 TOKENS = (3, 11)  # different on each rank; the second sits exactly at the bound
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(capacity_factor):
@@ -122,7 +120,7 @@ def test_ranks_with_different_token_counts_match_the_reference(tmp_path):
     capacity_factors = [None, 0.5]  # no drops; drops (capacity ceil(0.5·11·2/4) = 3)
     mp.start_processes(
         _worker,
-        args=(_free_port(), capacity_factors, str(tmp_path)),
+        args=(free_port(), capacity_factors, str(tmp_path)),
         nprocs=WORLD,
         start_method="fork",
     )
@@ -135,4 +133,4 @@ def test_ranks_with_different_token_counts_match_the_reference(tmp_path):
 
 
 def test_a_rank_over_the_token_bound_is_named():
-    mp.start_processes(_over_bound_worker, args=(_free_port(),), nprocs=WORLD, start_method="fork")
+    mp.start_processes(_over_bound_worker, args=(free_port(),), nprocs=WORLD, start_method="fork")
