@@ -176,5 +176,17 @@ class Reporter:
         if self.is_main and self.cfg.metrics.summary_json:
             path = Path(self.cfg.metrics.summary_json)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(summary, indent=1, allow_nan=True))
+            path.write_text(json.dumps(_standard_json(summary), indent=1, allow_nan=False))
         return summary
+
+
+def _standard_json(value):
+    """NaN and infinities (a figure with no meaning on this run, e.g. MFU on the CPU) as null, so
+    the file parses with any JSON reader, not only Python's."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _standard_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_standard_json(v) for v in value]
+    return value
