@@ -23,6 +23,10 @@ from gem_parallel.layout import MeshLayout
 from gem_parallel.meshes import build_meshes, group_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Workers start by spawn (fork is unsafe once autograd has run in this process) and are found
+# by this module's import name, tests.parallel.<file>: the repository root must be importable
+# in the children, which inherit sys.path.
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from parallel_fp8_weight import (  # noqa: E402
     FP8GatherWeight,
     dequantize_rows,
@@ -121,7 +125,7 @@ def _fp8_worker(rank, world, port):
 
 
 def test_two_processes_fp8_all_gather_through_the_hook():
-    mp.start_processes(_fp8_worker, args=(2, free_port()), nprocs=2, start_method="fork")
+    mp.start_processes(_fp8_worker, args=(2, free_port()), nprocs=2, start_method="spawn")
 
 
 def _run(world, layouts, tmp_path):
@@ -129,7 +133,7 @@ def _run(world, layouts, tmp_path):
         _worker,
         args=(world, free_port(), layouts, str(tmp_path)),
         nprocs=world,
-        start_method="fork",
+        start_method="spawn",
     )
     expected_losses, expected_params = train_single_process(world)
     for i, kwargs in enumerate(layouts):

@@ -16,6 +16,10 @@ import torch.multiprocessing as mp
 from gem_parallel.moe import MoE, MoEConfig, moe_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Workers start by spawn (fork is unsafe once autograd has run in this process) and are found
+# by this module's import name, tests.parallel.<file>: the repository root must be importable
+# in the children, which inherit sys.path.
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from parallel_launch import free_port  # noqa: E402
 
 WORLD, D_MODEL, D_HIDDEN, EXPERTS, TOP_K, BOUND = 2, 8, 12, 4, 2, 11
@@ -122,7 +126,7 @@ def test_ranks_with_different_token_counts_match_the_reference(tmp_path):
         _worker,
         args=(free_port(), capacity_factors, str(tmp_path)),
         nprocs=WORLD,
-        start_method="fork",
+        start_method="spawn",
     )
     for i, capacity_factor in enumerate(capacity_factors):
         got, expected = torch.load(tmp_path / f"{i}.pt"), _single_process(capacity_factor)
@@ -133,4 +137,4 @@ def test_ranks_with_different_token_counts_match_the_reference(tmp_path):
 
 
 def test_a_rank_over_the_token_bound_is_named():
-    mp.start_processes(_over_bound_worker, args=(free_port(),), nprocs=WORLD, start_method="fork")
+    mp.start_processes(_over_bound_worker, args=(free_port(),), nprocs=WORLD, start_method="spawn")
