@@ -31,3 +31,18 @@ def launch_spawned(worker, world: int, *args) -> int:
                 p.join()
             break
     return max(abs(p.exitcode) for p in procs)
+
+
+def finish_rank() -> None:
+    """End a worker: barrier, tear the process group down, and leave without interpreter
+    teardown (gloo's worker threads, joined while Python finalizes, occasionally abort the
+    process with "terminate called without an active exception")."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)

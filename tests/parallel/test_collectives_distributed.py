@@ -203,12 +203,9 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
     pair = dist.new_group([0, 1]) if device_type == "cpu" else dist.group.WORLD
     if device_type == "cuda" or rank < 2:
         _check_fsdp_hook(device, pair)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without interpreter teardown: gloo's worker threads, joined while Python finalizes,
-    # occasionally abort the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    os._exit(0)
+    from parallel_launch import finish_rank  # the script's folder is on sys.path
+
+    finish_rank()
 
 
 if __name__ == "__main__":

@@ -279,12 +279,9 @@ def _worker(rank: int, world: int, port: int, device_type: str, backend_name: st
         prefetch=True,
         weighted=False,
     )
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without interpreter teardown: gloo's worker threads, joined while Python finalizes,
-    # occasionally abort the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    os._exit(0)
+    from parallel_launch import finish_rank  # the script's folder is on sys.path
+
+    finish_rank()
 
 
 if __name__ == "__main__":
