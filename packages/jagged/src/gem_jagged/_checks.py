@@ -109,8 +109,8 @@ def check_offsets(
         )
     if host[-1].item() != total:
         raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
-    if offsets.device.type == "cuda":
-        _remember_checked(offsets, total)
+    if offsets.device.type == "cuda" and not offsets.is_inference():
+        _remember_checked(offsets, total)  # (inference tensors track no version: check each call)
 
 
 # id(offsets) -> (weak reference, version counter, token total) of CUDA offsets that passed.

@@ -13,7 +13,8 @@ never truncate anything.
 ``backend="auto"`` runs the Triton kernels (``triton.py``) on CUDA tensors and the PyTorch
 reference (``reference.py``) on CPU tensors. The op is a ``torch.library`` custom op with a fake
 implementation and autograd (``_op.py``), so ``torch.compile(fullgraph=True)`` traces it and CUDA
-graphs capture it (nothing in the Triton path synchronises with the host).
+graphs capture it (nothing in the Triton path synchronises with the host); plain eager calls of
+the Triton backend skip the custom-op machinery for the same kernels (``_op.py`` says when).
 """
 
 import math
@@ -99,6 +100,10 @@ def jagged_flash_attention(
         raise TypeError(
             f"q has dtype {q.dtype}; the triton backend supports {TRITON_DTYPES} "
             "(use backend='reference' for others)"
+        )
+    if backend == "triton" and _op.eager_path_allowed(q, k, v, q_offsets, kv_offsets, rel_bias):
+        return _op.eager_triton_attention(
+            q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len
         )
     out, _, _ = _op.attention_forward(
         q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len, backend

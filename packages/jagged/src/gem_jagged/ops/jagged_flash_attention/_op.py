@@ -13,6 +13,15 @@ Two ops keep the kernels opaque to ``torch.compile`` while letting it trace thro
 Each op has a fake implementation (shapes only) for tracing, and the forward op's autograd
 formula calls the backward op. The ``backend`` argument picks the Triton kernels or the PyTorch
 reference; the reference's backward writes the gradient formulas out per sequence.
+
+The eager fast path. Going through a Python custom op costs tens of microseconds of host time
+per call, twice per training step (the dispatcher's boxed call, the autograd wrapper, the
+compiler's ``disable`` guard), which is a visible share of a small batch's step. So eager calls
+of the Triton backend (``eager_triton_attention``) run the same kernels through a plain
+``torch.autograd.Function`` when nothing needs to see the op: not while ``torch.compile``
+traces (it must see the custom op), not under a ``TorchDispatchMode`` (selective activation
+checkpointing, FLOP counters and fake tensors identify the op by name), and only on plain
+tensors (a tensor subclass dispatches through the custom op).
 """
 
 import torch
@@ -130,3 +139,55 @@ def _backward(ctx, dout, _dlse, _dwork):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager fast path (Triton backend, no tracing or dispatch mode): the same kernels, less host work
+# ----------------------------------------------------------------------------------------------
+
+
+def eager_path_allowed(*tensors: torch.Tensor | None) -> bool:
+    """True when nothing would observe the custom op (see the module docstring)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
+        from .triton import jfa_forward
+
+        out, lse, work = jfa_forward(
+            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
+        )
+        ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
+        ctx.options = (causal, scale, max_q_len)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        from .triton import jfa_backward
+
+        q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
+        causal, scale, max_q_len = ctx.options
+        dq, dk, dv, dbias = jfa_backward(
+            dout, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, scale=scale,
+            rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, dbias, None, None, None
+
+
+def eager_triton_attention(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
+    """The Triton forward (with autograd when a gradient is wanted) without the custom op."""
+    inputs = (q, k, v) if rel_bias is None else (q, k, v, rel_bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _TritonAttention.apply(
+            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len
+        )
+    from .triton import jfa_forward
+
+    return jfa_forward(
+        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
+    )[0]

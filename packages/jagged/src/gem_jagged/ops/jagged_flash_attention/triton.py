@@ -28,10 +28,17 @@ Backward, dQ kernel (one program per (query tile, head), a query work list like 
     reduce their interior diagonals one by one), and one sum over the rows finishes it. No
     per-element atomics, and no two programs ever add into the same address.
 
-Tile shapes are fixed per head dim (``_GPU_CONFIGS``; ``--sweep`` of the benchmark times
-alternatives) rather than autotuned: the work list depends on the query tile height, so a tuner
-would have to rebuild it per candidate. Under the interpreter every tile is 16 rows, so small
-tests cross many tile edges.
+Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
+``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
+benchmark's ``--sweep`` times alternatives) rather than autotuned: the work list depends on the
+query tile height, so a tuner would have to rebuild it per candidate. Under the interpreter
+every tile is 16 rows, so small tests cross many tile edges.
+
+Host cost. A forward + backward step of a small batch is over in a few hundred microseconds of
+device time, so what the host does per call matters: the work lists are remembered per offsets
+tensor (``cache=True`` of ``gem_jagged._worklist``), the forward's query list is handed to the
+backward, and the dK/dV split (with its float32 scratch and finishing kernel) is only used when
+the longest sequence would otherwise be the tail of the launch (``dkdv_splits``).
 """
 
 from dataclasses import dataclass
@@ -67,17 +74,61 @@ class JaggedAttentionConfig:
 
 _INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3)
 
+# bf16 / fp16 (2-byte elements).
 _GPU_CONFIGS = {
-    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 2, 128, 64, 8, 2, 4096, 4),
-    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 4096, 4),
-    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 4096, 4),
+    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 4096, 4),
+    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 4096, 4),
+    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 4096, 4),
+}
+# float32 (4-byte elements, IEEE dots): half-height tiles, two stages; correctness, not speed.
+_GPU_CONFIGS_FP32 = {
+    32: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 4096, 4),
+    64: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 4096, 4),
+    128: JaggedAttentionConfig(64, 32, 4, 2, 32, 32, 4, 2, 64, 32, 4, 2, 4096, 4),
 }
 
 
-def config_for(head_dim: int, device: torch.device) -> JaggedAttentionConfig:
+def config_for(head_dim: int, device: torch.device, dtype: torch.dtype) -> JaggedAttentionConfig:
+    """The tile shapes for one head dim and element size (every tile 16 under the interpreter)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    return _GPU_CONFIGS[head_dim]
+    table = _GPU_CONFIGS_FP32 if dtype.itemsize > 2 else _GPU_CONFIGS
+    return table[head_dim]
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def dkdv_splits(
+    cfg: JaggedAttentionConfig, *, total_q: int, num_seqs: int, num_heads: int, longest_q: int,
+    device: torch.device,
+) -> int:  # fmt: skip
+    """Chunks per key tile: more than one only where the longest tile would be the launch's tail.
+
+    The heaviest dK/dV program streams the whole query range of the longest sequence, about
+    ``longest_q`` rows; the launch shares about ``pairs · N / BLOCK_N`` rows over the SMs, with
+    ``pairs`` estimated from host-known sizes as ``T · (T / B) / 2`` (the causal count of equal
+    lengths: an under-estimate for a long tail, so the rule errs towards splitting). Heaviest
+    first scheduling keeps the tail short while the longest program takes at most half of one
+    SM's share; past that, the range is cut into chunks of at least ``split_rows`` rows.
+    Splitting costs a float32 scratch for dK/dV, atomics and a finishing kernel.
+    """
+    if longest_q <= cfg.split_rows or cfg.max_splits <= 1 or num_seqs == 0:
+        return 1
+    if device.type != "cuda":  # the interpreter: split whenever allowed, so tests cover it
+        return max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
+    pairs = total_q * (total_q / num_seqs) / 2
+    share = pairs * num_heads / cfg.dkdv_block_n / _sm_count(device)
+    if longest_q <= share / 2:
+        return 1
+    return max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -501,18 +552,20 @@ def _radius(rel_bias):
     return 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
 
 
-def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None):
+def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias):
     """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
 
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
     reuses it instead of building it again.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device)
+    cfg = config_for(head_dim, q.device, q.dtype)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
-    work = query_tiles(q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal)
+    work = query_tiles(
+        q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal, cache=True
+    )
     bias = rel_bias.contiguous() if rel_bias is not None else q
     _jfa_fwd_kernel[(work.num_slots * num_heads,)](
         q, k, v, out, lse, bias, q_offsets, kv_offsets,
@@ -527,7 +580,7 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_
 
 def forward_work_slots(q: torch.Tensor, num_seqs: int) -> int:
     """Slots of the forward's query work list (host shapes only; for fake tensors too)."""
-    cfg = config_for(q.shape[2], q.device)
+    cfg = config_for(q.shape[2], q.device, q.dtype)
     return tile_slot_bound(q.shape[0], num_seqs, cfg.fwd_block_m)
 
 
@@ -565,17 +618,20 @@ def backward_dkdv(
 ):
     """dK and dV (contiguous inputs) from the key-tile work list, long query ranges split."""
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device)
+    cfg = config_for(head_dim, q.device, q.dtype)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
-    max_splits = max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
+    max_splits = dkdv_splits(
+        cfg, total_q=total_q, num_seqs=q_offsets.shape[0] - 1, num_heads=num_heads,
+        longest_q=longest_q, device=q.device,
+    )  # fmt: skip
     kwork = key_tiles(
         q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
-        align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits,
+        align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits, cache=True,
     )  # fmt: skip
     if max_splits > 1:
-        dk_scratch = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_scratch = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        scratch = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        dk_scratch, dv_scratch = scratch[0], scratch[1]
     else:
         dk_scratch = dv_scratch = dk
     grid = (kwork.num_slots * num_heads,)
@@ -605,15 +661,16 @@ def backward_dq(
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device)
+    cfg = config_for(head_dim, q.device, q.dtype)
     dq = torch.empty_like(q)
     radius = _radius(rel_bias)
     if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
         qwork = TileWorkList(forward_work, cfg.dq_block_m)
     else:
         qwork = query_tiles(
-            q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal
-        )
+            q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal,
+            cache=True,
+        )  # fmt: skip
     num_programs = qwork.num_slots * num_heads
     if rel_bias is not None:
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
