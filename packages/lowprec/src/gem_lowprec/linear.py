@@ -1,7 +1,8 @@
 """``LowPrecisionLinear``: a drop-in ``nn.Linear`` whose GEMMs run in fp8 per a ``Recipe``.
 
 For ``x [M, K]`` (leading dims flattened) and ``W [N, K]`` the three GEMMs are phrased the same
-way, ``a @ bᵀ`` with both operands quantized along the contraction dim:
+way, ``a @ bᵀ`` with both operands stored row-major along the contraction dim (the only fp8
+layout Hopper's tensor cores take, so ``torch._scaled_mm`` gets ``b.t()`` as a free view):
 
 | GEMM            | a                  | b                   | contraction |
 |-----------------|--------------------|---------------------|-------------|
@@ -9,16 +10,28 @@ way, ``a @ bᵀ`` with both operands quantized along the contraction dim:
 | input-grad dx   | dy, along N        | Wᵀ, along N         | N           |
 | weight-grad dW  | dyᵀ, along M       | xᵀ, along M         | M (tokens)  |
 
-For ``mxfp8`` every operand goes through ``quantize_mx_k128``: MX quantization along the
-contraction dim and the merge of four E8M0 scales into a 1×128 block (one fused kernel on a GPU),
-then the blockwise fp8 GEMM. Wᵀ (the column-wise copy of W) is quantized in the forward and
-saved in fp8; x is saved in BF16 (the weight-gradient needs it in that precision or transposed).
-``fp8_rowwise`` uses one scale per row of each operand.
+``fp8_rowwise``: one power-of-two scale per row of each operand (``gem_lowprec.ops.fp8_cast``).
+W is cast twice per forward (rows for y, columns for dx) and both copies stay for the backward.
+x is cast once by a kernel that reads it once; dy likewise. The fp8 weight-gradient contracts
+over tokens, where a per-token scale cannot sit outside the GEMM; it is folded into the other
+operand instead: ``dW = Σ_m dy[m,:]ᵀ x[m,:] = Σ_m q_dy[m,:]ᵀ (s_m · x[m,:])`` with ``dy[m,:] ≈
+s_m · q_dy[m,:]`` (s_m a power of two, so ``s_m · x`` is exact), and ``s_m · x`` gets one scale
+per column. The row-cast bytes of dy serve both dx and dW (one read of dy writes them row-major
+and transposed). Which operand takes the fold is chosen by size: when K > N the roles swap (x's
+per-token scale from the forward folds into dy, and the forward saves xᵀ in fp8 instead of x).
+
+``mxfp8``: every operand goes through ``quantize_mx_k128`` (MX quantization along the
+contraction dim merged into 1×128 blocks), then the blockwise fp8 GEMM; W's column-wise copy is
+made in the forward and kept.
 
 Fallback: a shape the fp8 path cannot take (K or N not a multiple of 128 for mxfp8, of 16 for
-rowwise; tokens for an fp8 weight-grad likewise) runs in BF16; on a GPU the first call for a
-shape also times fp8 against BF16 (forward + backward) and keeps the faster. Every fallback is
-warned about once and listed by ``fallback_report()``.
+rowwise; tokens not a multiple of 16) runs in BF16. On a GPU, fp8 is also timed against BF16
+(forward + backward) once per (recipe, K, N, dtype, M rounded up to a power of two), and the
+faster kept. The timing never runs inside a backward (checkpoint recomputation), under
+saved-tensor hooks (a checkpointed forward, activation offloading) or a dispatch mode: such a
+call takes the fp8 path unmeasured, the key is timed at its first call outside them, and a
+recomputation reuses the choice its own forward made. Every fallback is warned about once and
+listed by ``fallback_report()``.
 """
 
 import warnings
@@ -28,23 +41,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_lowprec.hadamard import random_hadamard
+from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows
 from gem_lowprec.recipes import Recipe
-from gem_lowprec.scaled_matmul import (
-    blockwise_matmul,
-    quantize_mx_k128,
-    quantize_rowwise,
-    rowwise_matmul,
-)
+from gem_lowprec.scaled_matmul import blockwise_matmul, quantize_mx_k128, rowwise_matmul
 
-_DECISIONS: dict[tuple, tuple[bool, str]] = {}
+_MEASURED: dict[tuple, tuple[bool, str]] = {}  # (recipe, K, N, dtype, M bucket) -> (fp8?, why)
+_FALLBACKS: dict[tuple, str] = {}  # (recipe name, M bucket, K, N, dtype) -> why
 
 
 def fallback_report() -> dict[tuple, str]:
-    """``{(recipe, M, K, N, dtype): reason}`` for every shape that runs in BF16 instead of fp8."""
-    return {key: why for key, (use_fp8, why) in _DECISIONS.items() if not use_fp8}
+    """``{(recipe, M bucket, K, N, dtype): reason}`` for every shape that ran in BF16."""
+    return dict(_FALLBACKS)
 
 
-def _shape_ok(recipe: Recipe, m: int, k: int, n: int) -> str | None:
+def unmeasured_keys() -> list[tuple]:
+    """Keys seen so far only where timing is not allowed (they run fp8 unmeasured)."""
+    return sorted(_UNMEASURED, key=str)
+
+
+_UNMEASURED: set[tuple] = set()
+
+
+def m_bucket(m: int) -> int:
+    """Token counts share a decision up to the next power of two (jagged batches vary M)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def _shape_problem(recipe: Recipe, m: int, k: int, n: int) -> str | None:
     align = 128 if recipe.name == "mxfp8" else 16
     if k % align or n % align:
         return f"K={k} and N={n} must be multiples of {align} for {recipe.name}"
@@ -60,116 +83,172 @@ def _fp8_weight_grad(recipe: Recipe, m: int) -> bool:
     return m % max(128 if recipe.name == "mxfp8" else 16, block) == 0
 
 
-class _LowPrecisionMatmul(torch.autograd.Function):
+def _ones(n: int, device) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.float32, device=device)
+
+
+class _RowwiseMatmul(torch.autograd.Function):
+    """fp8_rowwise: see the module docstring for the fold of the weight-gradient's scales."""
+
     @staticmethod
-    def forward(ctx, x, w, recipe: Recipe):
-        ctx.recipe = recipe
+    def forward(ctx, x, w, recipe: Recipe, out_dtype: torch.dtype):
         q = recipe.quant
-        m = x.shape[0]
-        ctx.fp8_wgrad = _fp8_weight_grad(recipe, m)
-        out_dtype = x.dtype
-        ctx.out_dtype = out_dtype
-        if recipe.name == "mxfp8":
-            mx = dict(scale_mode=q.scale_mode)
-            x_k128 = quantize_mx_k128(x, q.elem_dtype, **mx)
-            w_k128 = quantize_mx_k128(w, q.elem_dtype, **mx)
-            y = blockwise_matmul(*x_k128, *w_k128, out_dtype)
-            # Wᵀ [K, N] with blocks along N: the column-wise MX copy of W, merged along N
-            ctx.w_for_dgrad = quantize_mx_k128(w.t().contiguous(), q.elem_dtype, **mx)
-        else:
-            xq, xs = quantize_rowwise(x, q.elem_dtype)
-            wq, ws = quantize_rowwise(w, q.elem_dtype)
-            y = rowwise_matmul(xq, xs, wq, ws, out_dtype)
-            ctx.w_for_dgrad = quantize_rowwise(w.t(), q.elem_dtype)
-        ctx.save_for_backward(x)
+        (m, k), n = x.shape, w.shape[0]
+        fp8_wgrad = _fp8_weight_grad(recipe, m)
+        # The smaller of x [M, K] and dy [M, N] takes the two-pass column cast (Hadamard: x).
+        fold_into_dy = fp8_wgrad and k > n and recipe.weight_grad.hadamard_block is None
+        xr = cast_rows(x, q.elem_dtype, transposed=fold_into_dy)
+        wr = cast_rows(w, q.elem_dtype)
+        wt, wt_scale = cast_columns(w, q.elem_dtype)  # Wᵀ [K, N], a scale per k
+        y = rowwise_matmul(xr.data, xr.scale, wr.data, wr.scale, out_dtype, fast_accum=True)
+        ctx.recipe, ctx.out_dtype, ctx.w_dtype = recipe, out_dtype, w.dtype
+        ctx.fp8_wgrad, ctx.fold_into_dy = fp8_wgrad, fold_into_dy
+        saved_x = (xr.data_t, xr.scale) if fold_into_dy else (x,)
+        ctx.save_for_backward(wt, wt_scale, *saved_x)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        recipe = ctx.recipe
-        q = recipe.quant
+        recipe, q = ctx.recipe, ctx.recipe.quant
+        wt, wt_scale, *saved_x = ctx.saved_tensors
         dy = dy.contiguous()
-        if recipe.name == "mxfp8":
-            dy_k128 = quantize_mx_k128(dy, q.grad_elem_dtype, scale_mode=q.scale_mode)
-            dx = blockwise_matmul(*dy_k128, *ctx.w_for_dgrad, ctx.out_dtype)
-        else:
-            dyq, dys = quantize_rowwise(dy, q.grad_elem_dtype)
-            wtq, wts = ctx.w_for_dgrad
-            dx = rowwise_matmul(dyq, dys, wtq, wts, ctx.out_dtype)
-        ctx.w_for_dgrad = None
+        fold_into_x = ctx.fp8_wgrad and not ctx.fold_into_dy
+        hadamard = recipe.weight_grad.hadamard_block
+        dyr = cast_rows(
+            dy,
+            q.grad_elem_dtype,
+            transposed=fold_into_x and hadamard is None,
+            col_amax_row_mult=saved_x[1] if ctx.fold_into_dy else None,
+        )
+        dx = rowwise_matmul(dyr.data, dyr.scale, wt, wt_scale, ctx.out_dtype)
         if not ctx.fp8_wgrad:
-            return dx, dy.t().to(x.dtype) @ x, None
+            (x,) = saved_x
+            return dx, (dy.t() @ x.to(dy.dtype)).to(ctx.w_dtype), None, None
+        if ctx.fold_into_dy:  # dW = (r_m · dy)ᵀ-by-columns @ (q_x)ᵀ, r_m from the forward
+            x_t, x_scale = saved_x
+            dy_t, dy_t_scale = cast_columns(
+                dy, q.grad_elem_dtype, row_mult=x_scale, col_amax=dyr.col_amax
+            )
+            dw = rowwise_matmul(dy_t, dy_t_scale, x_t, _ones(x_t.shape[0], dy.device), dy.dtype)
+            return dx, dw.to(ctx.w_dtype), None, None
+        (x,) = saved_x
+        if hadamard is not None:  # rotate both along tokens, then the same fold
+            seed = int(torch.randint(0, 2**31 - 1, ()).item())
+            dy = random_hadamard(dy.t(), block_size=hadamard, seed=seed).t().to(dy.dtype)
+            x = random_hadamard(x.t(), block_size=hadamard, seed=seed).t().to(x.dtype)
+            dyr = cast_rows(dy, q.grad_elem_dtype, transposed=True)
+        x_t, x_t_scale = cast_columns(x, q.elem_dtype, row_mult=dyr.scale)
+        dw = rowwise_matmul(dyr.data_t, _ones(dy.shape[1], dy.device), x_t, x_t_scale, dy.dtype)
+        return dx, dw.to(ctx.w_dtype), None, None
+
+
+class _MXMatmul(torch.autograd.Function):
+    """mxfp8: MX 1×32 along each contraction dim, merged to 1×128 blocks."""
+
+    @staticmethod
+    def forward(ctx, x, w, recipe: Recipe, out_dtype: torch.dtype):
+        q = recipe.quant
+        mx = dict(scale_mode=q.scale_mode)
+        x_k128 = quantize_mx_k128(x, q.elem_dtype, **mx)
+        w_k128 = quantize_mx_k128(w, q.elem_dtype, **mx)
+        y = blockwise_matmul(*x_k128, *w_k128, out_dtype)
+        # Wᵀ [K, N] with blocks along N: the column-wise MX copy of W, merged along N
+        wt, wt_scale = quantize_mx_k128(w.t().contiguous(), q.elem_dtype, **mx)
+        ctx.recipe, ctx.out_dtype, ctx.w_dtype = recipe, out_dtype, w.dtype
+        ctx.fp8_wgrad = _fp8_weight_grad(recipe, x.shape[0])
+        ctx.save_for_backward(x, wt, wt_scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wt, wt_scale = ctx.saved_tensors
+        recipe, q = ctx.recipe, ctx.recipe.quant
+        mx = dict(scale_mode=q.scale_mode)
+        dy = dy.contiguous()
+        dy_k128 = quantize_mx_k128(dy, q.grad_elem_dtype, **mx)
+        dx = blockwise_matmul(*dy_k128, wt, wt_scale, ctx.out_dtype)
+        if not ctx.fp8_wgrad:
+            return dx, (dy.t() @ x.to(dy.dtype)).to(ctx.w_dtype), None, None
         dy_t, x_t = dy.t(), x.t()  # [N, M], [K, M]: contraction along tokens
         block = recipe.weight_grad.hadamard_block
         if block is not None:
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
             dy_t = random_hadamard(dy_t, block_size=block, seed=seed).to(dy.dtype)
             x_t = random_hadamard(x_t, block_size=block, seed=seed).to(x.dtype)
-        if recipe.name == "mxfp8":
-            mx = dict(scale_mode=q.scale_mode)
-            a = quantize_mx_k128(dy_t.contiguous(), q.grad_elem_dtype, **mx)
-            b = quantize_mx_k128(x_t.contiguous(), q.elem_dtype, **mx)
-            dw = blockwise_matmul(*a, *b, x.dtype)
-        else:
-            aq, as_ = quantize_rowwise(dy_t, q.grad_elem_dtype)
-            bq, bs = quantize_rowwise(x_t, q.elem_dtype)
-            dw = rowwise_matmul(aq, as_, bq, bs, x.dtype)
-        return dx, dw, None
+        a = quantize_mx_k128(dy_t.contiguous(), q.grad_elem_dtype, **mx)
+        b = quantize_mx_k128(x_t.contiguous(), q.elem_dtype, **mx)
+        return dx, blockwise_matmul(*a, *b, dy.dtype).to(ctx.w_dtype), None, None
+
+
+def _fp8_linear(x2: torch.Tensor, w: torch.Tensor, recipe: Recipe, out_dtype) -> torch.Tensor:
+    fn = _MXMatmul if recipe.name == "mxfp8" else _RowwiseMatmul
+    return fn.apply(x2, w, recipe, out_dtype)
+
+
+def _timing_allowed(x: torch.Tensor) -> bool:
+    """Only in a plain forward: not compiling, not inside a backward (checkpoint recompute), no
+    saved-tensor hooks (checkpointed forward, offloading), no dispatch mode (selective AC)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    if torch._C._current_graph_task_id() != -1:
+        return False
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top_hooks is None or top_hooks(False) is not None:
+        return False
+    return _get_current_dispatch_mode() is None
 
 
 def _time_fwd_bwd(fn, x, w, reps: int = 5) -> float:
-    """Mean ms of ``fn`` forward + backward, isolated from the caller's autograd state.
-
-    The first call of a shape may happen inside a checkpointed region or under other
-    saved-tensor hooks (activation quantization, memory accounting). Identity hooks keep the
-    timing's own saved tensors out of them, so a recomputation, which finds the decision cached
-    and does not time, saves exactly what the original forward saved.
-    """
-    with torch.autograd.graph.saved_tensors_hooks(_same, _same), torch.enable_grad():
-        return _timed_loop(fn, x, w, reps)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _timed_loop(fn, x, w, reps: int) -> float:
-    for _ in range(2):
-        fn(x, w).sum().backward()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn(x, w).sum().backward()
-    end.record()
-    torch.cuda.synchronize()
+    with torch.enable_grad():
+        for _ in range(2):
+            fn(x, w).sum().backward()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn(x, w).sum().backward()
+        end.record()
+        torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
 
 
-def _decide(recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor) -> bool:
-    key = (recipe.name, m, k, n, x.dtype)
-    if key in _DECISIONS:
-        return _DECISIONS[key][0]
-    why = _shape_ok(recipe, m, k, n)
-    use_fp8 = why is None
-    if (
-        use_fp8
-        and x.is_cuda
-        and recipe.fallback.measure_on_gpu
-        and not torch.compiler.is_compiling()
-    ):
-        xr = torch.randn(m, k, device=x.device, dtype=x.dtype, requires_grad=True)
-        wr = torch.randn(n, k, device=x.device, dtype=w.dtype, requires_grad=True)
-        t_fp8 = _time_fwd_bwd(lambda a, b: _LowPrecisionMatmul.apply(a, b, recipe), xr, wr)
-        t_bf16 = _time_fwd_bwd(lambda a, b: F.linear(a, b), xr, wr)
-        use_fp8 = t_fp8 < t_bf16
-        why = f"measured fwd+bwd {recipe.name} {t_fp8:.3f} ms >= bf16 {t_bf16:.3f} ms"
-    _DECISIONS[key] = (use_fp8, why or "")
-    if not use_fp8 and recipe.fallback.warn:
+def _measure(recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor):
+    xr = torch.randn(m, k, device=x.device, dtype=x.dtype, requires_grad=True)
+    wr = torch.randn(n, k, device=x.device, dtype=w.dtype, requires_grad=True)
+    t_fp8 = _time_fwd_bwd(lambda a, b: _fp8_linear(a, b, recipe, a.dtype), xr, wr)
+    t_bf16 = _time_fwd_bwd(lambda a, b: F.linear(a, b), xr, wr)
+    why = f"measured fwd+bwd {recipe.name} {t_fp8:.3f} ms >= bf16 {t_bf16:.3f} ms at M={m}"
+    return t_fp8 < t_bf16, why
+
+
+def _note_fallback(recipe: Recipe, m: int, k: int, n: int, dtype, why: str) -> None:
+    report_key = (recipe.name, m_bucket(m), k, n, dtype)
+    if report_key in _FALLBACKS:
+        return
+    _FALLBACKS[report_key] = why
+    if recipe.fallback.warn:
         warnings.warn(
-            f"gem_lowprec: linear [{m}x{k}] @ [{n}x{k}]ᵀ falls back to bf16: {why}", stacklevel=3
+            f"gem_lowprec: linear [{m}x{k}] @ [{n}x{k}]ᵀ falls back to bf16: {why}", stacklevel=4
         )
-    return use_fp8
+
+
+def use_fp8(recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a call with ``M`` tokens takes the fp8 path (see the module docstring)."""
+    why = _shape_problem(recipe, m, k, n)
+    if why is None and x.is_cuda and recipe.fallback.measure_on_gpu:
+        key = (recipe, k, n, x.dtype, m_bucket(m))
+        if key not in _MEASURED:
+            if not _timing_allowed(x):
+                _UNMEASURED.add(key)
+                return True
+            _UNMEASURED.discard(key)
+            _MEASURED[key] = _measure(recipe, m, k, n, x, w)
+        use, measured_why = _MEASURED[key]
+        why = None if use else measured_why
+    if why is not None:
+        _note_fallback(recipe, m, k, n, x.dtype, why)
+    return why is None
 
 
 class LowPrecisionLinear(nn.Linear):
@@ -187,6 +266,7 @@ class LowPrecisionLinear(nn.Linear):
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe if recipe is not None else Recipe()
+        self._choice_by_m: dict[int, bool] = {}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> "LowPrecisionLinear":
@@ -195,18 +275,31 @@ class LowPrecisionLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new.recipe = recipe
+        new._choice_by_m = {}
         return new
+
+    def _use_fp8(self, x2: torch.Tensor) -> bool:
+        m = x2.shape[0]
+        if torch._C._current_graph_task_id() != -1 and m in self._choice_by_m:
+            return self._choice_by_m[m]  # a recomputation repeats its forward's choice
+        use = use_fp8(self.recipe, m, self.in_features, self.out_features, x2, self.weight)
+        self._choice_by_m[m] = use
+        if len(self._choice_by_m) > 64:
+            del self._choice_by_m[next(iter(self._choice_by_m))]
+        return use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recipe.name == "bf16":
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        m = x2.shape[0]
-        if not _decide(self.recipe, m, self.in_features, self.out_features, x2, self.weight):
+        if not self._use_fp8(x2):
             return F.linear(x, self.weight, self.bias)
-        y = _LowPrecisionMatmul.apply(x2.contiguous(), self.weight, self.recipe)
+        out_dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        y = _fp8_linear(x2.contiguous(), self.weight, self.recipe, out_dtype)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

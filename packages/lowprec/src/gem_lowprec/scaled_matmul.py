@@ -10,8 +10,9 @@ A's scales M-major and B's as ``[K/128, N]``). On the CPU the same merged operan
 dequantized exactly in float32 and multiplied: the emulation computes the same products, only
 the float32 summation order differs.
 
-``rowwise_matmul`` is the fp8_rowwise recipe: one float32 scale per row of each operand
-(``amax / 448``), ``torch._scaled_mm`` rowwise on a GPU, the dequantized product on the CPU.
+``rowwise_matmul`` is the fp8_rowwise recipe's GEMM: one float32 scale per row of each operand
+(``gem_lowprec.ops.fp8_cast`` makes them), ``torch._scaled_mm`` rowwise on a GPU, the dequantized
+product on the CPU.
 """
 
 import torch
@@ -94,34 +95,25 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tensor:
     return blockwise_matmul(a_data, a_scale, b_data, b_scale, out_dtype)
 
 
-def _quantize_rowwise_eager(x: torch.Tensor, elem_dtype: torch.dtype):
-    fmax = torch.finfo(elem_dtype).max
-    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp(min=1e-30)
-    scale = amax / fmax
-    q = (x.to(torch.float32) / scale).clamp(-fmax, fmax).to(elem_dtype)
-    return q, scale
-
-
-_compiled_rowwise = None
-
-
-def quantize_rowwise(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn):
-    """``[R, C]`` -> (fp8 ``[R, C]``, float32 ``[R, 1]`` scale ``amax/max``); compiled on a GPU."""
-    global _compiled_rowwise
-    x = x.contiguous()  # row-major bytes: _scaled_mm takes operand b as its transposed view
-    if x.is_cuda and not torch.compiler.is_compiling():
-        if _compiled_rowwise is None:
-            _compiled_rowwise = torch.compile(_quantize_rowwise_eager)  # goes dynamic on reshape
-        return _compiled_rowwise(x, elem_dtype)
-    return _quantize_rowwise_eager(x, elem_dtype)
-
-
-def rowwise_matmul(a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
-    """``(a_q · a_scale) @ (b_q · b_scale)ᵀ`` with per-row float32 scales ``[M,1]``, ``[N,1]``."""
+def rowwise_matmul(
+    a_q, a_scale, b_q, b_scale, out_dtype, *, fast_accum: bool = False
+) -> torch.Tensor:
+    """``(a_q · a_scale) @ (b_q · b_scale)ᵀ`` for fp8 ``a_q [M, K]``, ``b_q [N, K]`` (row-major)
+    with float32 scales ``[M]``, ``[N]``. On a GPU ``torch._scaled_mm`` rowwise: ``b_q.t()`` is
+    the column-major view it wants, the scales go as ``[M, 1]`` and ``[1, N]`` (contiguous
+    views, no copies), and the product comes out in BF16 (the only rowwise output type on
+    sm_90). ``fast_accum`` (the forward, as torchao does) skips the periodic promotion of the
+    fp8 tensor-core partial sums to float32."""
     if a_q.is_cuda:
-        return torch._scaled_mm(
-            a_q, b_q.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=out_dtype
+        out = torch._scaled_mm(
+            a_q,
+            b_q.t(),
+            scale_a=a_scale.view(-1, 1),
+            scale_b=b_scale.view(1, -1),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
         )
-    a = a_q.to(torch.float32) * a_scale
-    b = b_q.to(torch.float32) * b_scale
+        return out.to(out_dtype)
+    a = a_q.to(torch.float32) * a_scale[:, None]
+    b = b_q.to(torch.float32) * b_scale[:, None]
     return (a @ b.t()).to(out_dtype)

@@ -1,0 +1,276 @@
+"""Triton kernels for the row-wise / column-wise fp8 casts of ``reference.py``.
+
+Legend (shape suffixes): ``x`` is ``[R, C]`` contiguous; ``_R`` one value per row, ``_C`` one per
+column, ``_RC`` a tile of rows × columns, ``_CR`` the same tile transposed.
+
+``cast_rows_kernel`` (one program per ``BLOCK_R`` rows, persistent over row blocks):
+1. Read the rows chunk by chunk, keep the largest ``|x|`` bit pattern per row (and, when asked,
+   fold ``|x · row_mult|`` into a per-column amax with an atomic max: the statistics the
+   column-wise cast of the same tensor needs, from the same read).
+2. Turn each row amax into its power-of-two scale (the E8M0 rule of the MX kernels).
+3. Read the rows again (the grid is sized so that a wave's rows fit in L2: the second read comes
+   from L2, not HBM), cast, store the fp8 row-major and, when asked, also transposed (``[C, R]``):
+   the same bytes in the layout the weight-gradient GEMM contracts over.
+
+``column_amax_kernel`` and ``cast_columns_kernel`` are the two passes of a column-wise cast
+(scale per column over all rows): an amax over row tiles with atomics, then a tile cast stored
+transposed. Casting multiplies by ``2^−e`` (exact) and lets the hardware's round-to-nearest-even
+cast round; under the interpreter the integer encoder of the MX kernels runs instead, so both
+match the reference bit for bit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from gem_lowprec.formats import ElemFormat
+from gem_lowprec.ops.mx_quantize.triton import (
+    INTERPRETING,
+    encode,
+    format_constants,
+    load_as_float32,
+    scale_byte,
+)
+
+
+@triton.jit
+def scale_float(byte):
+    """float32 ``2^(byte − 127)``: byte 0 is the subnormal 2^−127, byte 255 NaN."""
+    bits = tl.where(byte == 0, 0x00400000, byte << 23)
+    return tl.where(byte == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_rows_kernel(
+    x_ptr,
+    row_mult_ptr,
+    data_ptr,
+    data_t_ptr,
+    scale_ptr,
+    col_amax_ptr,
+    R,
+    C,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    COL_AMAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX_EXP: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    n_row_blocks = tl.cdiv(R, BLOCK_R)
+    for row_block in range(tl.program_id(0), n_row_blocks, tl.num_programs(0)):
+        rows_R = (row_block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        row_ok_R = rows_R < R
+        if COL_AMAX:
+            mult_R = tl.load(row_mult_ptr + rows_R, mask=row_ok_R, other=0.0)
+        # Stage 1: row amax (and the column amax of x · row_mult) from one read.
+        amax_R = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            cols_C = c0 + tl.arange(0, BLOCK_C)
+            mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
+            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+            amax_R = tl.maximum(amax_R, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+            if COL_AMAX:
+                v_RC = x_RC * mult_R[:, None]
+                v_bits_C = tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+                tl.atomic_max(col_amax_ptr + cols_C, v_bits_C, mask=cols_C < C)
+        # Stage 2: one power-of-two scale per row.
+        byte_R = scale_byte(amax_R, EMAX_EXP, True)
+        tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
+        # Stage 3: cast and store row-major (and transposed).
+        for c0 in range(0, C, BLOCK_C):
+            cols_C = c0 + tl.arange(0, BLOCK_C)
+            mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
+            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+            q_RC = encode(
+                x_RC,
+                byte_R[:, None],
+                byte_R[:, None],
+                E4M3,
+                MBITS,
+                EMIN,
+                MAX_BITS,
+                MAX_VALUE,
+                NAN_BITS,
+                HW_CONVERT,
+                False,
+            )
+            tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
+            if TRANSPOSED:
+                tl.store(
+                    data_t_ptr + cols_C[:, None] * R + rows_R[None, :],
+                    tl.trans(q_RC),
+                    mask=tl.trans(mask_RC),
+                )
+
+
+@triton.jit
+def column_amax_kernel(
+    x_ptr,
+    row_mult_ptr,
+    col_amax_ptr,
+    R,
+    C,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_MULT: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
+    v_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+    if HAS_MULT:
+        v_RC = v_RC * tl.load(row_mult_ptr + rows_R, mask=rows_R < R, other=0.0)[:, None]
+    v_bits_C = tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    tl.atomic_max(col_amax_ptr + cols_C, v_bits_C, mask=cols_C < C)
+
+
+@triton.jit
+def cast_columns_kernel(
+    x_ptr,
+    row_mult_ptr,
+    col_amax_ptr,
+    data_t_ptr,
+    scale_ptr,
+    R,
+    C,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_MULT: tl.constexpr,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX_EXP: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok_C = cols_C < C
+    mask_RC = (rows_R < R)[:, None] & col_ok_C[None, :]
+    v_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+    if HAS_MULT:
+        v_RC = v_RC * tl.load(row_mult_ptr + rows_R, mask=rows_R < R, other=0.0)[:, None]
+    byte_C = scale_byte(tl.load(col_amax_ptr + cols_C, mask=col_ok_C, other=0), EMAX_EXP, True)
+    q_RC = encode(
+        v_RC,
+        byte_C[None, :],
+        byte_C[None, :],
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        False,
+    )
+    tl.store(data_t_ptr + cols_C[:, None] * R + rows_R[None, :], tl.trans(q_RC), tl.trans(mask_RC))
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr + cols_C, scale_float(byte_C), mask=col_ok_C)
+
+
+# Rows kernel: [16, 512] chunks (16 KiB of bf16 per load), 8 warps; a persistent grid of
+# 2 programs per SM keeps a wave's rows (2 · SMs · 16 · C · 2 bytes, 33 MiB at C = 4096) in L2.
+_ROWS_BLOCK = {"BLOCK_R": 16, "BLOCK_C": 512}
+_TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
+# Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
+_INTERPRETER_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 64}
+
+
+def _common(x: torch.Tensor, fmt: ElemFormat) -> tuple[torch.Tensor, dict]:
+    in_bf16 = x.dtype == torch.bfloat16
+    constants = dict(
+        HW_CONVERT=x.is_cuda and not INTERPRETING, IN_BF16=in_bf16, **format_constants(fmt)
+    )
+    return (x.view(torch.int16) if in_bf16 else x), constants
+
+
+def _blocks(x: torch.Tensor, gpu: dict) -> dict:
+    return gpu if x.is_cuda and not INTERPRETING else _INTERPRETER_BLOCK
+
+
+def cast_rows(
+    x: torch.Tensor,
+    fmt: ElemFormat,
+    *,
+    transposed: bool,
+    col_amax_row_mult: torch.Tensor | None,
+):
+    """Launch the rows kernel on a contiguous ``[R, C]``. Returns (data uint8 ``[R, C]``, scale
+    float32 ``[R]``, data_t uint8 ``[C, R]`` or None, column amax of ``x · row_mult`` as float32
+    ``[C]`` or None)."""
+    R, C = x.shape
+    dev = x.device
+    data = torch.empty((R, C), dtype=torch.uint8, device=dev)
+    scale = torch.empty(R, dtype=torch.float32, device=dev)
+    data_t = torch.empty((C, R) if transposed else 0, dtype=torch.uint8, device=dev)
+    want_amax = col_amax_row_mult is not None
+    col_amax = torch.zeros(C if want_amax else 0, dtype=torch.int32, device=dev)
+    if R and C:
+        x_arg, constants = _common(x, fmt)
+        blocks = _blocks(x, _ROWS_BLOCK)
+        n_row_blocks = triton.cdiv(R, blocks["BLOCK_R"])
+        if x.is_cuda and not INTERPRETING:
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            grid = (min(n_row_blocks, 2 * sms),)
+            launch = dict(num_warps=8)
+        else:
+            grid, launch = (n_row_blocks,), {}
+        mult = col_amax_row_mult if want_amax else scale
+        cast_rows_kernel[grid](
+            x_arg, mult, data, data_t, scale, col_amax, R, C,
+            TRANSPOSED=transposed, COL_AMAX=want_amax, **blocks, **constants, **launch,
+        )  # fmt: skip
+    return (
+        data,
+        scale,
+        data_t if transposed else None,
+        col_amax.view(torch.float32) if want_amax else None,
+    )
+
+
+def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``[C]``: ``max_r |x[r, c] · row_mult[r]|`` of a contiguous ``[R, C]``."""
+    R, C = x.shape
+    col_amax = torch.zeros(C, dtype=torch.int32, device=x.device)
+    if R and C:
+        in_bf16 = x.dtype == torch.bfloat16
+        blocks = _blocks(x, _TILE_BLOCK)
+        grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
+        column_amax_kernel[grid](
+            x.view(torch.int16) if in_bf16 else x,
+            col_amax if row_mult is None else row_mult,
+            col_amax, R, C, HAS_MULT=row_mult is not None, IN_BF16=in_bf16, **blocks,
+        )  # fmt: skip
+    return col_amax.view(torch.float32)
+
+
+def cast_columns(
+    x: torch.Tensor, fmt: ElemFormat, *, row_mult: torch.Tensor | None, col_amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast a contiguous ``[R, C]`` (rows times ``row_mult``) with one scale per column from
+    ``col_amax`` (float32 ``[C]``). Returns (data uint8 ``[C, R]``, scale float32 ``[C]``)."""
+    R, C = x.shape
+    data_t = torch.empty((C, R), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(C, dtype=torch.float32, device=x.device)
+    if R and C:
+        x_arg, constants = _common(x, fmt)
+        blocks = _blocks(x, _TILE_BLOCK)
+        grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
+        launch = dict(num_warps=8) if x.is_cuda and not INTERPRETING else {}
+        cast_columns_kernel[grid](
+            x_arg, scale if row_mult is None else row_mult, col_amax.view(torch.int32), data_t,
+            scale, R, C, HAS_MULT=row_mult is not None, **blocks, **constants, **launch,
+        )  # fmt: skip
+    return data_t, scale
