@@ -26,7 +26,7 @@ from ..._checks import (
     check_values,
     resolve_backend,
 )
-from ._op import gdpa_op
+from ._op import GdpaTritonFunction, gdpa_op
 from .reference import ACTIVATIONS
 
 __all__ = ["gdpa", "ACTIVATIONS"]
@@ -100,6 +100,11 @@ def gdpa(
     check_rel_bias(rel_bias, num_heads=q.shape[1], like=q)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
+    if backend == "triton" and not torch.compiler.is_compiling():
+        return GdpaTritonFunction.apply(
+            q, k, v, q_offsets, kv_offsets, rel_bias, activation, bool(causal), scale,
+            float(out_scale), bool(broadcast_q), is_cross,
+        )  # fmt: skip
     return gdpa_op(
         q, k, v, q_offsets, kv_offsets, rel_bias, activation, bool(causal), scale,
         float(out_scale), bool(broadcast_q), is_cross, backend,

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._worklist import key_tiles, query_tiles
+from ..._worklist import TileWorkList, key_tiles, query_tiles
+from ._offsets_cache import OffsetsCache
 
 # Activation cost: on NVIDIA GPUs Triton already lowers an fp32 ``tl.exp`` to ``ex2.approx.f32``
 # of ``x·log2(e)`` and an fp32 ``/`` to the approximate ``div.full.f32`` (``tl.fdiv`` with
@@ -235,11 +236,15 @@ def _gdpa_fwd_kernel(
 def _dkdv_tile(
     dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
     out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head, RADIUS,
-    scale, out_scale, diag,
+    scale, out_scale, diag, dq_here,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BROADCAST_Q: tl.constexpr, MASK: tl.constexpr,
-    NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+    NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
-    """One query tile's share of dK, dV (and, for PMA, of dQ), on transposed scores Sᵀ."""
+    """One query tile's share of dK, dV (and, for PMA, of dQ), on transposed scores Sᵀ.
+
+    With ``FUSED_DQ`` and ``dq_here`` (the key tile is the sequence's only one) the tile's dQ is
+    complete here too: ``dQ = scale · dS K``, stored, and its bias-gradient share accumulated.
+    """
     offs_m = q_start + tl.arange(0, BLOCK_M)
     q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
     do_MH = _load_rows(do_ptr, out_begin, offs_m, q_len, stride_dot, head_col)
@@ -263,6 +268,13 @@ def _dkdv_tile(
         tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
         if HAS_BIAS:
             dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
+    elif FUSED_DQ:
+        if dq_here:
+            dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
+            dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
+            tl.store(dq_ptrs, dq_MH.to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+            if HAS_BIAS:
+                dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
     return dk_NH, dv_NH, dbias_NB
 
 
@@ -306,15 +318,15 @@ def _gdpa_bwd_dkdv_kernel(
         dk_NH, dv_NH, dbias_NB = _dkdv_tile(
             dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
             out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
-            RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q, CAUSAL, NB_POW2, BLOCK_M,
-            IEEE,
+            RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q, CAUSAL, NB_POW2,
+            BLOCK_M, IEEE, False,
         )  # fmt: skip
     for q_start in range(q_mid, q_hi, BLOCK_M):
         dk_NH, dv_NH, dbias_NB = _dkdv_tile(
             dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
             out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
-            RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q, False, NB_POW2, BLOCK_M,
-            IEEE,
+            RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q, False, NB_POW2,
+            BLOCK_M, IEEE, False,
         )  # fmt: skip
     # Stage 3: dK = scale·dSᵀQ, dV = out_scale·PᵀdO; split tiles add into fp32 buffers.
     dk_NH = dk_NH * scale
@@ -436,18 +448,29 @@ class GdpaTiles:
     cross_max_splits: int = 16
     # Cross-attention and PMA: "per_sequence" (grid B × N × SPLIT, no work list) or "work_list".
     cross_schedule: str = "per_sequence"
-    split_target: int = 1024  # per-sequence schedule: aim for this many programs in all
+    # Per-sequence schedule: aim for this many programs in all. Programs past a sequence's tiles
+    # exit at once, so a generous split costs little and keeps one long sequence from being the
+    # tail of the launch.
+    split_target: int = 4096
     max_split: int = 16
 
 
 INTERPRETER_TILES = GdpaTiles(
     16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 32, 4, split_target=64, max_split=3
 )
+# fp32 operands take twice the shared memory of bf16 per tile: the bf16 tiles (128×64 queries ×
+# keys, three stages, head dim 128) would not fit in an H200's 227 KiB; these do.
+FP32_TILES = GdpaTiles(
+    fwd_m=64, fwd_n=32, fwd_warps=4, fwd_stages=2, dkdv_m=32, dkdv_n=64, dkdv_warps=4,
+    dkdv_stages=1, dq_m=64, dq_n=32, dq_warps=4, dq_stages=1,
+)  # fmt: skip
 
 
-def default_tiles(device: torch.device, head_dim: int) -> GdpaTiles:
+def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> GdpaTiles:
     if device.type != "cuda":
         return INTERPRETER_TILES
+    if dtype == torch.float32:
+        return FP32_TILES
     if head_dim <= 64:
         return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
     return GdpaTiles()
@@ -463,14 +486,51 @@ def _seed_offsets(kv_offsets: torch.Tensor, num_seeds: int) -> torch.Tensor:
     return torch.arange(batch + 1, device=kv_offsets.device, dtype=torch.int64) * num_seeds
 
 
+# Work lists of the self-attention (and work-list cross/PMA) schedule, per offsets tensor.
+_WORK_LISTS = OffsetsCache()
+
+
+def _query_work(q_offsets, kv_offsets, *, total_q, block, causal) -> TileWorkList:
+    return _WORK_LISTS.get(
+        (q_offsets, kv_offsets), ("query", total_q, block, causal),
+        lambda: query_tiles(q_offsets, kv_offsets, total_q=total_q, block=block, causal=causal),
+    )  # fmt: skip
+
+
+def _key_work(q_offsets, kv_offsets, *, total_kv, block, causal, align, split) -> TileWorkList:
+    options = dict(split_rows=split[0], max_splits=split[1]) if split else {}
+    return _WORK_LISTS.get(
+        (q_offsets, kv_offsets), ("key", total_kv, block, causal, align, split),
+        lambda: key_tiles(
+            q_offsets, kv_offsets, total_kv=total_kv, block=block, causal=causal, align=align,
+            **options,
+        ),
+    )  # fmt: skip
+
+
+def _pma_key_work(kv_offsets, num_seeds, *, total_kv, block, causal, align) -> TileWorkList:
+    return _WORK_LISTS.get(
+        (kv_offsets,), ("pma", num_seeds, total_kv, block, causal, align),
+        lambda: key_tiles(
+            _seed_offsets(kv_offsets, num_seeds), kv_offsets, total_kv=total_kv, block=block,
+            causal=causal, align=align,
+        ),
+    )  # fmt: skip
+
+
 def gdpa_forward(
     q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
     out_scale, broadcast_q, rel_bias_NB, is_cross, tiles: GdpaTiles | None = None,
+    return_work: bool = False,
 ):  # fmt: skip
-    """Launch the forward kernel; ``kv_offsets_Bp1`` is never None here (self: the q offsets)."""
+    """Launch the forward kernel; ``kv_offsets_Bp1`` is never None here (self: the q offsets).
+
+    With ``return_work`` returns ``(out, work)``: the query-tile work list of the self-attention
+    schedule (``None`` for the others), which the backward's dQ kernel can reuse.
+    """
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
-    tiles = tiles or default_tiles(q_TNH.device, head_dim)
+    tiles = tiles or default_tiles(q_TNH.device, head_dim, q_TNH.dtype)
     has_bias = rel_bias_NB is not None
     bias = rel_bias_NB.contiguous() if has_bias else q_TNH
     radius = (rel_bias_NB.shape[1] - 1) // 2 if has_bias else 0
@@ -478,55 +538,65 @@ def gdpa_forward(
         H=head_dim, ACT=ACTIVATION_CODES[activation], CAUSAL=causal, HAS_BIAS=has_bias,
         IEEE=q_TNH.dtype == torch.float32,
     )  # fmt: skip
+    work = None
     if (broadcast_q or is_cross) and tiles.cross_schedule == "per_sequence":
         from . import triton_per_sequence as per_sequence  # it imports this module's tile code
 
-        return per_sequence.forward_per_sequence(
+        out = per_sequence.forward_per_sequence(
             q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale, out_scale,
             broadcast_q, tiles, common,
         )  # fmt: skip
+        return (out, work) if return_work else out
     if broadcast_q:
         num_seeds = q_TNH.shape[0]
         batch = kv_offsets_Bp1.numel() - 1
         out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
         seed_block = _seed_block(num_seeds)
-        work = key_tiles(
-            _seed_offsets(kv_offsets_Bp1, num_seeds), kv_offsets_Bp1,
-            total_kv=k_TNH.shape[0], block=tiles.pma_chunk, causal=causal,
+        pma_work = _pma_key_work(
+            kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.pma_chunk,
+            causal=causal, align=1,
         )  # fmt: skip
-        grid = (work.num_slots, num_heads, triton.cdiv(num_seeds, seed_block))
+        grid = (pma_work.num_slots, num_heads, triton.cdiv(num_seeds, seed_block))
         block_m, kv_chunk = seed_block, tiles.pma_chunk
         q_offsets_Bp1 = kv_offsets_Bp1
+        launch_work = pma_work
     else:
         num_seeds = 0
         out = torch.empty(
             q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
         )
-        work = query_tiles(
+        work = _query_work(
             q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.fwd_m, causal=causal
         )
         grid = (work.num_slots, num_heads, 1)
         block_m, kv_chunk = tiles.fwd_m, tiles.fwd_n
+        launch_work = work
     _gdpa_fwd_kernel[grid](
         q_TNH, k_TNH, v_TNH, out, bias,
-        q_offsets_Bp1, kv_offsets_Bp1, work.seq_W, work.start_W, work.hi_W,
+        q_offsets_Bp1, kv_offsets_Bp1, launch_work.seq_W, launch_work.start_W, launch_work.hi_W,
         q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
         num_seeds, scale, out_scale, radius,
         BROADCAST_Q=broadcast_q, KV_CHUNK=kv_chunk, BLOCK_M=block_m, BLOCK_N=tiles.fwd_n,
         num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **common,
     )  # fmt: skip
-    return out.to(q_TNH.dtype)
+    out = out.to(q_TNH.dtype)
+    return (out, work) if return_work else out
 
 
 def gdpa_backward(
     do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
     out_scale, broadcast_q, rel_bias_NB, is_cross, tiles: GdpaTiles | None = None,
+    query_work: TileWorkList | None = None,
 ):  # fmt: skip
-    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
+    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``.
+
+    ``query_work`` is the forward's query-tile list (``gdpa_forward(..., return_work=True)``);
+    the dQ kernel reuses it when its tiles have the forward's height.
+    """
     do_TNH = do_TNH.contiguous()
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
-    tiles = tiles or default_tiles(q_TNH.device, head_dim)
+    tiles = tiles or default_tiles(q_TNH.device, head_dim, q_TNH.dtype)
     has_bias = rel_bias_NB is not None
     bias = rel_bias_NB.contiguous() if has_bias else q_TNH
     num_buckets = rel_bias_NB.shape[1] if has_bias else 1
@@ -549,31 +619,32 @@ def gdpa_backward(
     if broadcast_q:
         num_seeds = q_TNH.shape[0]
         block_m = _seed_block(num_seeds)
-        q_offsets_Bp1 = _seed_offsets(kv_offsets_Bp1, num_seeds)
         dq = torch.zeros(q_TNH.shape, device=device, dtype=torch.float32)
-        work = key_tiles(
-            q_offsets_Bp1, kv_offsets_Bp1, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
+        work = _pma_key_work(
+            kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
             causal=causal, align=block_m,
         )  # fmt: skip
+        q_offsets_Bp1 = _seed_offsets(kv_offsets_Bp1, num_seeds)
         atomic_kv = False
     else:
         num_seeds = 0
         block_m = tiles.dkdv_m
         dq = torch.empty_like(q_TNH)
-        split = dict(split_rows=tiles.cross_split_rows, max_splits=tiles.cross_max_splits)
-        work = key_tiles(
+        split = (tiles.cross_split_rows, tiles.cross_max_splits) if is_cross else None
+        work = _key_work(
             q_offsets_Bp1, kv_offsets_Bp1, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
-            causal=causal, align=block_m, **(split if is_cross else {}),
+            causal=causal, align=block_m, split=split,
         )  # fmt: skip
         atomic_kv = is_cross
     kv_dtype = torch.float32 if atomic_kv else k_TNH.dtype
     make = torch.zeros if atomic_kv else torch.empty
     dk = make(k_TNH.shape, device=device, dtype=kv_dtype)
     dv = make(v_TNH.shape, device=device, dtype=kv_dtype)
-    dbias_dkdv = torch.zeros(
-        (work.num_slots if broadcast_q and has_bias else 1, num_heads, nb_pow2),
-        device=device, dtype=torch.float32,
-    )  # fmt: skip
+    dbias_dkdv = dq  # a placeholder pointer unless PMA has a bias
+    if broadcast_q and has_bias:
+        dbias_dkdv = torch.zeros(
+            (work.num_slots, num_heads, nb_pow2), device=device, dtype=torch.float32
+        )
     _gdpa_bwd_dkdv_kernel[(work.num_slots, num_heads)](
         q_TNH, k_TNH, v_TNH, do_TNH, dk, dv, dq, bias, dbias_dkdv,
         q_offsets_Bp1, kv_offsets_Bp1, work.seq_W, work.start_W, work.lo_W, work.hi_W,
@@ -585,17 +656,19 @@ def gdpa_backward(
     )  # fmt: skip
     dbias = dbias_dkdv
     if not broadcast_q:
-        work = query_tiles(
-            q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.dq_m, causal=causal
-        )
-        dbias = torch.zeros(
-            (work.num_slots if has_bias else 1, num_heads, nb_pow2),
-            device=device,
-            dtype=torch.float32,
-        )
-        _gdpa_bwd_dq_kernel[(work.num_slots, num_heads)](
+        if query_work is None or query_work.block != tiles.dq_m:
+            query_work = _query_work(
+                q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.dq_m,
+                causal=causal,
+            )  # fmt: skip
+        dbias = dq  # placeholder pointer without a bias
+        if has_bias:
+            dbias = torch.zeros(
+                (query_work.num_slots, num_heads, nb_pow2), device=device, dtype=torch.float32
+            )
+        _gdpa_bwd_dq_kernel[(query_work.num_slots, num_heads)](
             q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias,
-            q_offsets_Bp1, kv_offsets_Bp1, work.seq_W, work.start_W, work.hi_W,
+            q_offsets_Bp1, kv_offsets_Bp1, query_work.seq_W, query_work.start_W, query_work.hi_W,
             q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),
             num_heads, scale, out_scale, radius,
             BLOCK_M=tiles.dq_m, BLOCK_N=tiles.dq_n,

@@ -102,12 +102,15 @@ def _gdpa_bwd_dkdv_seq_kernel(
     stride_qt, stride_kt, stride_vt, stride_dot, stride_dkt, stride_dvt, stride_dqt,
     num_heads, num_seeds, scale, out_scale, RADIUS, SPLIT,
     H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BROADCAST_Q: tl.constexpr, NB_POW2: tl.constexpr,
+    BROADCAST_Q: tl.constexpr, ATOMIC_KV: tl.constexpr, NB_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Key tiles part, part + SPLIT, ... of one sequence; each stays on chip (short candidate
-    # K/V: the whole K/V) while all query tiles that see it stream past. Every key tile has one
-    # owner, so dK and dV are stored, not added.
+    # Each key tile stays on chip while query tiles stream past. PMA (a few seeds, long keys):
+    # program ``part`` owns key tiles part, part + SPLIT, ... and every seed, so it stores its
+    # dK/dV rows alone. Cross-attention (long queries, short keys): every program visits every
+    # key tile with its own contiguous chunk of the query tiles, and the SPLIT chunks' dK/dV add
+    # up in fp32 (``ATOMIC_KV``). A sequence whose keys fit one tile gets its whole dQ here
+    # (``dq_here``: dS K over all its keys); the dQ kernel skips it.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = tl.program_id(2)
@@ -117,58 +120,83 @@ def _gdpa_bwd_dkdv_seq_kernel(
     diag = kv_len - q_len
     head_col = head * H + tl.arange(0, H)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
-    for k_start in range(part * BLOCK_N, kv_len, SPLIT * BLOCK_N):
+    dq_here = (kv_len > 0) & (kv_len <= BLOCK_N)
+    if BROADCAST_Q:
+        k_first, k_step = part * BLOCK_N, SPLIT * BLOCK_N
+    else:
+        k_first, k_step = 0, BLOCK_N
+    for k_start in range(k_first, kv_len, k_step):
+        # Query rows [q_lo, q_mid) cross the causal diagonal; from q_mid on the tile is seen whole.
         q_lo = 0
         q_mid = 0
-        if CAUSAL:  # [q_lo, q_mid) crosses the diagonal; from q_mid on the whole tile is seen
-            q_lo = tl.minimum(tl.maximum(k_start - diag, 0) // BLOCK_M * BLOCK_M, q_len)
+        if CAUSAL:
+            if kv_len > BLOCK_N:  # rows above the diagonal see nothing (the dQ kernel's rows)
+                q_lo = tl.minimum(tl.maximum(k_start - diag, 0) // BLOCK_M * BLOCK_M, q_len)
             first_full = tl.maximum(k_start + BLOCK_N - 1 - diag - q_lo, 0)
             q_mid = tl.minimum(q_lo + (first_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
+        q_hi = q_len
+        if not BROADCAST_Q:  # this program's chunk of the query tiles [q_lo, q_len)
+            per_part = tl.cdiv(tl.cdiv(q_len - q_lo, BLOCK_M), SPLIT) * BLOCK_M
+            q_lo = q_lo + part * per_part
+            q_hi = tl.minimum(q_lo + per_part, q_len)
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
         v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
         dk_NH = tl.zeros((BLOCK_N, H), tl.float32)
         dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
-        for q_start in range(q_lo, q_mid, BLOCK_M):
+        for q_start in range(q_lo, tl.minimum(q_mid, q_hi), BLOCK_M):
             dk_NH, dv_NH, dbias_NB = _dkdv_tile(
                 dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
                 q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
-                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q,
-                CAUSAL, NB_POW2, BLOCK_M, IEEE,
+                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT, HAS_BIAS,
+                BROADCAST_Q, CAUSAL, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
             )  # fmt: skip
-        for q_start in range(q_mid, q_len, BLOCK_M):
+        for q_start in range(tl.maximum(q_lo, q_mid), q_hi, BLOCK_M):
             dk_NH, dv_NH, dbias_NB = _dkdv_tile(
                 dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
                 q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
-                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, ACT, HAS_BIAS, BROADCAST_Q,
-                False, NB_POW2, BLOCK_M, IEEE,
+                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT, HAS_BIAS,
+                BROADCAST_Q, False, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
             )  # fmt: skip
         rows = (offs_n < kv_len)[:, None]
         dk_ptrs = dk_ptr + (kv_begin + offs_n)[:, None] * stride_dkt + head_col[None, :]
         dv_ptrs = dv_ptr + (kv_begin + offs_n)[:, None] * stride_dvt + head_col[None, :]
-        tl.store(dk_ptrs, (dk_NH * scale).to(dk_ptr.dtype.element_ty), mask=rows)
-        tl.store(dv_ptrs, (dv_NH * out_scale).to(dv_ptr.dtype.element_ty), mask=rows)
-    if BROADCAST_Q & HAS_BIAS:
+        if ATOMIC_KV:
+            if q_lo < q_hi:
+                tl.atomic_add(dk_ptrs, dk_NH * scale, mask=rows, sem="relaxed")
+                tl.atomic_add(dv_ptrs, dv_NH * out_scale, mask=rows, sem="relaxed")
+        else:
+            tl.store(dk_ptrs, (dk_NH * scale).to(dk_ptr.dtype.element_ty), mask=rows)
+            tl.store(dv_ptrs, (dv_NH * out_scale).to(dv_ptr.dtype.element_ty), mask=rows)
+    if HAS_BIAS:
         slot = seq * SPLIT + part
         idx = tl.arange(0, NB_POW2)
-        tl.store(dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx, dbias_NB)
+        dbias_ptrs = dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx
+        if BROADCAST_Q:
+            tl.store(dbias_ptrs, dbias_NB)
+        else:
+            if dq_here:
+                tl.store(dbias_ptrs, dbias_NB)
 
 
 @triton.jit
 def _gdpa_bwd_dq_seq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
     q_offsets_ptr, kv_offsets_ptr, stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt,
-    num_heads, scale, out_scale, RADIUS, SPLIT,
+    num_heads, scale, out_scale, RADIUS, SPLIT, FUSED_KV,
     H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     # Query tiles part, part + SPLIT, ... of one sequence: dQ = scale · Σ dS K over the keys.
+    # Sequences with 1..FUSED_KV keys got their dQ from the dK/dV kernel.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = tl.program_id(2)
     q_begin, q_len, out_begin, kv_begin, kv_len = _sequence(
         q_offsets_ptr, kv_offsets_ptr, seq, 0, False
     )
+    if (kv_len > 0) & (kv_len <= FUSED_KV):
+        return
     diag = kv_len - q_len
     head_col = head * H + tl.arange(0, H)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
@@ -239,36 +267,45 @@ def backward_per_sequence(
     do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale, out_scale,
     broadcast_q, has_bias, nb_pow2, tiles, common,
 ):  # fmt: skip
+    """``(dq, dk, dv, dbias [B·SPLIT, N, NB] or None)``; PMA's dq is fp32."""
     device = q_TNH.device
     num_heads = k_TNH.shape[1]
     batch = kv_offsets_Bp1.numel() - 1
     split = _split(batch, num_heads, tiles)
     num_seeds = q_TNH.shape[0] if broadcast_q else 0
+    atomic_kv = not broadcast_q and split > 1  # cross: query chunks add into fp32 dK/dV
     if broadcast_q:
         dq = torch.zeros(q_TNH.shape, device=device, dtype=torch.float32)
         block_m = _seed_block(num_seeds)
     else:
         dq = torch.empty_like(q_TNH)
         block_m = tiles.dkdv_m
-    dk, dv = torch.empty_like(k_TNH), torch.empty_like(v_TNH)
-    dbias = torch.zeros(
-        (batch * split if has_bias else 1, num_heads, nb_pow2), device=device, dtype=torch.float32
-    )
+    if atomic_kv:
+        dkv = torch.zeros((2, *k_TNH.shape), device=device, dtype=torch.float32)
+        dk, dv = dkv[0], dkv[1]
+    else:
+        dk, dv = torch.empty_like(k_TNH), torch.empty_like(v_TNH)
+    dbias = None
+    if has_bias:  # one private row per program; the cross dQ kernel writes the rows it owns
+        dbias = torch.zeros((batch * split, num_heads, nb_pow2), device=device, dtype=torch.float32)
     if batch > 0:
+        dbias_arg = dq if dbias is None else dbias
         _gdpa_bwd_dkdv_seq_kernel[(batch, num_heads, split)](
-            q_TNH, k_TNH, v_TNH, do_TNH, dk, dv, dq, bias, dbias, q_offsets_Bp1, kv_offsets_Bp1,
-            q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
+            q_TNH, k_TNH, v_TNH, do_TNH, dk, dv, dq, bias, dbias_arg, q_offsets_Bp1,
+            kv_offsets_Bp1, q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
             dk.stride(0), dv.stride(0), dq.stride(0),
             num_heads, num_seeds, scale, out_scale, radius, split,
-            BROADCAST_Q=broadcast_q, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
+            BROADCAST_Q=broadcast_q, ATOMIC_KV=atomic_kv, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
             num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common,
         )  # fmt: skip
         if not broadcast_q:
             _gdpa_bwd_dq_seq_kernel[(batch, num_heads, split)](
-                q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias, q_offsets_Bp1, kv_offsets_Bp1,
+                q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias_arg, q_offsets_Bp1, kv_offsets_Bp1,
                 q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),
-                num_heads, scale, out_scale, radius, split,
+                num_heads, scale, out_scale, radius, split, tiles.dkdv_n,
                 BLOCK_M=tiles.dq_m, BLOCK_N=tiles.dq_n,
                 num_warps=tiles.dq_warps, num_stages=tiles.dq_stages, **common,
             )  # fmt: skip
+    if atomic_kv:
+        dk, dv = dkv.to(k_TNH.dtype).unbind(0)
     return dq, dk, dv, dbias
