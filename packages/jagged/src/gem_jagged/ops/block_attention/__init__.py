@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..._checks import check_head_dim, check_offsets, check_same, check_values, resolve_backend
-from ._op import block_attention_op
+from ._op import BlockAttentionTritonFunction, block_attention_op
 
 __all__ = ["block_attention"]
 
@@ -54,7 +54,11 @@ def block_attention(
     check_offsets("offsets", offsets, total=q.shape[0], device=q.device)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
+    rope_theta = None if rope_theta is None else float(rope_theta)
+    if backend == "triton" and not torch.compiler.is_compiling():
+        return BlockAttentionTritonFunction.apply(
+            q, k, v, offsets, block_size, bool(causal), rope_theta, scale
+        )
     return block_attention_op(
-        q, k, v, offsets, block_size, bool(causal),
-        None if rope_theta is None else float(rope_theta), scale, backend,
-    )  # fmt: skip
+        q, k, v, offsets, block_size, bool(causal), rope_theta, scale, backend
+    )

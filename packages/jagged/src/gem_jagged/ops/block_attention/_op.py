@@ -1,8 +1,13 @@
-"""``torch.library`` wiring of BlockAttention: forward and backward custom ops and autograd.
+"""``torch.library`` wiring of BlockAttention: forward and backward custom ops and autograd,
+and the eager path of the Triton backend.
 
 Both backends sit behind the same ops, so ``torch.compile(fullgraph=True)`` sees one opaque node
 whose output has the shape of ``q``; the backward op returns gradients with respect to the
-un-rotated q and k.
+un-rotated q and k. Outside tracing the Triton backend runs through
+``BlockAttentionTritonFunction``: the same launchers under a plain ``autograd.Function``, which
+spares the custom ops' eager dispatch (about 1 ms of host time per forward + backward measured
+on an H200 host, twice the kernels' time on J5) and hands the forward's block table to the
+backward.
 """
 
 import torch
@@ -71,3 +76,25 @@ def _backward(ctx, grad_out):
 
 
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class BlockAttentionTritonFunction(torch.autograd.Function):
+    """Eager Triton path: the launchers behind autograd, without the custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, block_size, causal, rope_theta, scale):
+        options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
+        table = kernels.block_table(offsets, block_size)
+        out = kernels.block_attention_forward(q, k, v, offsets, block_ends_B=table, **options)
+        ctx.save_for_backward(q, k, v, offsets, table)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, offsets, table = ctx.saved_tensors
+        dq, dk, dv = kernels.block_attention_backward(
+            grad_out, q, k, v, offsets, block_ends_B=table, **ctx.options
+        )
+        return dq, dk, dv, None, None, None, None, None

@@ -3,7 +3,7 @@
 Legend (shape suffixes): ``T`` tokens, ``B`` sequences, ``N`` heads, ``H`` head dim, ``H2`` half
 of it, ``M`` query rows of a block, ``K`` key rows of the same block (both ``BLOCK``, the block
 size rounded up to a power of two), ``W`` work items (blocks). ``q_TNH`` is a query tensor,
-``offsets_Bp1`` the offsets.
+``offsets_Bp1`` the offsets, ``block_ends_B`` the running block count per sequence.
 
 A block holds at most a few hundred tokens, so its whole score matrix fits on chip: the forward
 loads q, k, v of the block, rotates q and k in registers (the first half of the head dim against
@@ -14,8 +14,15 @@ program of a block recomputes the rotation and the probabilities, forms
 storing them, so no rotated copy of q or k ever reaches memory and every gradient row is written
 by exactly one program (deterministic, no atomics).
 
-Blocks are listed on the device by the shared work list (query tiles of ``block_size`` rows,
-longest sequences first), so the launch needs no host synchronisation.
+Which block a program owns comes from a per-block table built once per offsets tensor: one
+small kernel writes ``block_ends_B``, the running count of blocks up to each sequence (a
+sequence of ``L`` tokens has ``cdiv(L, block_size)`` blocks). The grid is sized from host-known
+shapes, ``cdiv(T, block_size) + B`` (an upper bound on the blocks), so the launch needs no host
+synchronisation; program ``w`` counts the sequences whose blocks end at or before ``w`` (one
+vector load per 256 sequences), which is its sequence, and programs past the last block exit.
+All blocks cost about the same, so there is nothing to sort. The table is cached per offsets
+tensor and handed from the forward to the backward, so an eager training step issues the two
+attention kernels and nothing else.
 """
 
 import math
@@ -25,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._worklist import query_tiles
+from ..gdpa._offsets_cache import OffsetsCache
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -64,20 +71,44 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _block_ends_kernel(offsets_Bp1, block_ends_B, num_seqs, block_size, CHUNK: tl.constexpr):
+    """One program: ``block_ends[b] = Σ_{c ≤ b} cdiv(L_c, block_size)``, CHUNK sequences a step."""
+    carry = tl.zeros((), tl.int32)
+    for base in range(0, num_seqs, CHUNK):
+        idx = base + tl.arange(0, CHUNK)
+        inside = idx < num_seqs
+        lo = tl.load(offsets_Bp1 + idx, mask=inside, other=0)
+        hi = tl.load(offsets_Bp1 + idx + 1, mask=inside, other=0)
+        blocks = ((hi - lo + block_size - 1) // block_size).to(tl.int32)
+        tl.store(block_ends_B + idx, tl.cumsum(blocks, axis=0) + carry, mask=inside)
+        carry += tl.sum(blocks, axis=0)
+
+
+@triton.jit
+def _owned_block(block_ends_B, num_seqs, block_size, SEARCH: tl.constexpr):
+    """(sequence, first position) of this program's block; sequence ``num_seqs`` if none."""
+    pid = tl.program_id(0)
+    seq = tl.zeros((), tl.int32)
+    for base in range(0, num_seqs, SEARCH):
+        idx = base + tl.arange(0, SEARCH)
+        ends = tl.load(block_ends_B + idx, mask=idx < num_seqs, other=2147483647)
+        seq += tl.sum((ends <= pid).to(tl.int32), axis=0)
+    first_block = tl.load(block_ends_B + seq - 1, mask=seq > 0, other=0)
+    return seq, (pid - first_block) * block_size
+
+
+@triton.jit
 def _block_probs(
-    q_ptr, k_ptr, offsets_ptr, seq_W_ptr, start_W_ptr, stride_qt, stride_kt,
+    q_ptr, k_ptr, offsets_ptr, seq, block_start, stride_qt, stride_kt,
     block_size, scale, LOG2_THETA,
     H: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
     """Shared prologue of both passes: rows, rotated halves and exact softmax ``P [M, K]``."""
     H2: tl.constexpr = H // 2
-    pid = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(seq_W_ptr + pid)
     seq_begin = tl.load(offsets_ptr + seq)
     seq_len = tl.load(offsets_ptr + seq + 1) - seq_begin
-    block_start = tl.load(start_W_ptr + pid)
     local = tl.arange(0, BLOCK)
     pos = block_start + local  # position in the sequence
     valid = (local < block_size) & (pos < seq_len)
@@ -108,16 +139,17 @@ def _block_probs(
 
 @triton.jit
 def _block_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, seq_W_ptr, start_W_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, block_ends_B, num_seqs,
     stride_qt, stride_kt, stride_vt, stride_ot, block_size, scale, LOG2_THETA,
     H: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
-    if tl.load(seq_W_ptr + tl.program_id(0)) < 0:
+    # Stage 1: find the block, rotate its q, k and take the softmax of its scores.
+    seq, block_start = _owned_block(block_ends_B, num_seqs, block_size, SEARCH)
+    if seq >= num_seqs:
         return
-    # Stage 1: rotate q, k of the block and take the softmax of its scores.
     head, rows, valid, q1, q2, k1, k2, cos, sin, p_MK = _block_probs(
-        q_ptr, k_ptr, offsets_ptr, seq_W_ptr, start_W_ptr, stride_qt, stride_kt,
+        q_ptr, k_ptr, offsets_ptr, seq, block_start, stride_qt, stride_kt,
         block_size, scale, LOG2_THETA, H, CAUSAL, ROPE, BLOCK, IEEE,
     )  # fmt: skip
     # Stage 2: O = P V, written in two halves of the head dim.
@@ -129,17 +161,18 @@ def _block_attention_fwd_kernel(
 
 @triton.jit
 def _block_attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, offsets_ptr, seq_W_ptr, start_W_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, offsets_ptr, block_ends_B, num_seqs,
     stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt, stride_dkt, stride_dvt,
     block_size, scale, LOG2_THETA,
     H: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
-    if tl.load(seq_W_ptr + tl.program_id(0)) < 0:
+    # Stage 1: find the block, recompute the rotated halves and P exactly as the forward did.
+    seq, block_start = _owned_block(block_ends_B, num_seqs, block_size, SEARCH)
+    if seq >= num_seqs:
         return
-    # Stage 1: recompute the rotated halves and P exactly as the forward did.
     head, rows, valid, q1, q2, k1, k2, cos, sin, p_MK = _block_probs(
-        q_ptr, k_ptr, offsets_ptr, seq_W_ptr, start_W_ptr, stride_qt, stride_kt,
+        q_ptr, k_ptr, offsets_ptr, seq, block_start, stride_qt, stride_kt,
         block_size, scale, LOG2_THETA, H, CAUSAL, ROPE, BLOCK, IEEE,
     )  # fmt: skip
     H2: tl.constexpr = H // 2
@@ -178,43 +211,73 @@ def default_launch(block: int, head_dim: int) -> BlockLaunch:
     return BlockLaunch(fwd_warps=8 if big else 4, bwd_warps=8 if big else 4)
 
 
-def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta):
-    block = max(16, triton.next_power_of_2(block_size))
-    work = query_tiles(offsets_Bp1, total_q=q_TNH.shape[0], block=block_size)
-    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
+_SEARCH = 256  # sequences per vector load of the block search
+_TABLE_CHUNK = 1024  # sequences per step of the table kernel
+_BLOCK_TABLES = OffsetsCache()
+
+
+def block_table(offsets_Bp1: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``block_ends_B`` (int32) of ``offsets_Bp1``, built once per offsets tensor and block size."""
+
+    def build():
+        num_seqs = offsets_Bp1.numel() - 1
+        block_ends_B = torch.empty(max(num_seqs, 1), dtype=torch.int32, device=offsets_Bp1.device)
+        _block_ends_kernel[(1,)](offsets_Bp1, block_ends_B, num_seqs, block_size, _TABLE_CHUNK)
+        return block_ends_B
+
+    return _BLOCK_TABLES.get((offsets_Bp1,), (block_size,), build)
+
+
+def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B):
+    num_seqs = offsets_Bp1.numel() - 1
+    if block_ends_B is None:
+        block_ends_B = block_table(offsets_Bp1, block_size)
+    grid = (triton.cdiv(q_TNH.shape[0], block_size) + num_seqs, q_TNH.shape[1])
     flags = dict(
-        H=q_TNH.shape[2], ROPE=rope_theta is not None, BLOCK=block,
-        IEEE=q_TNH.dtype == torch.float32,
+        H=q_TNH.shape[2], ROPE=rope_theta is not None,
+        BLOCK=max(16, triton.next_power_of_2(block_size)), IEEE=q_TNH.dtype == torch.float32,
+        SEARCH=_SEARCH,
     )  # fmt: skip
-    return block, work, log2_theta, flags
+    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
+    return grid, block_ends_B, num_seqs, log2_theta, flags
 
 
 def block_attention_forward(q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, causal, rope_theta,
-                            scale, launch: BlockLaunch | None = None):  # fmt: skip
+                            scale, launch: BlockLaunch | None = None,
+                            block_ends_B: torch.Tensor | None = None):  # fmt: skip
+    """Output ``[T, N, H]``; ``block_ends_B`` (``block_table``) is built here when not given."""
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     out = torch.empty_like(q_TNH)
-    block, work, log2_theta, flags = _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta)
-    launch = launch or default_launch(block, q_TNH.shape[2])
-    _block_attention_fwd_kernel[(work.num_slots, q_TNH.shape[1])](
-        q_TNH, k_TNH, v_TNH, out, offsets_Bp1, work.seq_W, work.start_W,
-        q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
-        block_size, scale, log2_theta, CAUSAL=causal,
-        num_warps=launch.fwd_warps, num_stages=launch.stages, **flags,
-    )  # fmt: skip
+    grid, block_ends_B, num_seqs, log2_theta, flags = _launch_args(
+        q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B
+    )
+    launch = launch or default_launch(flags["BLOCK"], q_TNH.shape[2])
+    if grid[0] > 0:
+        _block_attention_fwd_kernel[grid](
+            q_TNH, k_TNH, v_TNH, out, offsets_Bp1, block_ends_B, num_seqs,
+            q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
+            block_size, scale, log2_theta, CAUSAL=causal,
+            num_warps=launch.fwd_warps, num_stages=launch.stages, **flags,
+        )  # fmt: skip
     return out
 
 
 def block_attention_backward(do_TNH, q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, causal,
-                             rope_theta, scale, launch: BlockLaunch | None = None):  # fmt: skip
+                             rope_theta, scale, launch: BlockLaunch | None = None,
+                             block_ends_B: torch.Tensor | None = None):  # fmt: skip
+    """``(dq, dk, dv)`` with respect to the un-rotated q and k."""
     do_TNH = do_TNH.contiguous()
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     dq, dk, dv = torch.empty_like(q_TNH), torch.empty_like(k_TNH), torch.empty_like(v_TNH)
-    block, work, log2_theta, flags = _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta)
-    launch = launch or default_launch(block, q_TNH.shape[2])
-    _block_attention_bwd_kernel[(work.num_slots, q_TNH.shape[1])](
-        q_TNH, k_TNH, v_TNH, do_TNH, dq, dk, dv, offsets_Bp1, work.seq_W, work.start_W,
-        q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
-        dq.stride(0), dk.stride(0), dv.stride(0), block_size, scale, log2_theta, CAUSAL=causal,
-        num_warps=launch.bwd_warps, num_stages=launch.stages, **flags,
-    )  # fmt: skip
+    grid, block_ends_B, num_seqs, log2_theta, flags = _launch_args(
+        q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B
+    )
+    launch = launch or default_launch(flags["BLOCK"], q_TNH.shape[2])
+    if grid[0] > 0:
+        _block_attention_bwd_kernel[grid](
+            q_TNH, k_TNH, v_TNH, do_TNH, dq, dk, dv, offsets_Bp1, block_ends_B, num_seqs,
+            q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
+            dq.stride(0), dk.stride(0), dv.stride(0), block_size, scale, log2_theta,
+            CAUSAL=causal, num_warps=launch.bwd_warps, num_stages=launch.stages, **flags,
+        )  # fmt: skip
     return dq, dk, dv
