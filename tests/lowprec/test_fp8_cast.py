@@ -1,0 +1,93 @@
+"""The fp8 row-wise / column-wise casts of the fp8_rowwise linear: Triton (the interpreter on the
+CPU, the hardware cast on a GPU) against the integer reference, bit for bit."""
+
+import pytest
+import torch
+from gem_lowprec.formats import E4M3
+from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows, reference
+from gem_lowprec.testing import every_pattern_matrix, special_matrix
+
+ELEMS = pytest.mark.parametrize(
+    "elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"]
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+
+
+def _assert_same(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert torch.equal(_bits(g), _bits(w))
+
+
+def _row_mult(rows: int, seed: int) -> torch.Tensor:
+    exps = torch.randint(-30, 30, (rows,), generator=torch.Generator().manual_seed(seed))
+    return 2.0 ** exps.to(torch.float32)
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(4)
+    return [
+        every_pattern_matrix().reshape(-1, 128),  # every finite bf16, sorted and shuffled
+        special_matrix(),  # zero rows/columns, NaN, ±Inf, subnormals, the largest bf16
+        (torch.randn(37, 70, generator=gen) * 3).to(torch.float16),  # ragged shape, fp16
+        torch.randn(20, 33, generator=gen) * 1e-3,  # float32
+    ]
+
+
+def _check_all(elem, device: str, backend: str) -> None:
+    for i, x in enumerate(_inputs()):
+        x = x.to(device)
+        mult = _row_mult(x.shape[0], i).to(device)
+        got = cast_rows(x, elem, transposed=True, col_amax_row_mult=mult, backend=backend)
+        want = cast_rows(
+            x.cpu(), elem, transposed=True, col_amax_row_mult=mult.cpu(), backend="reference"
+        )
+        _assert_same(got, want)
+        for m in (None, mult):
+            got = cast_columns(x, elem, row_mult=m, backend=backend)
+            ref_m = None if m is None else m.cpu()
+            _assert_same(got, cast_columns(x.cpu(), elem, row_mult=ref_m, backend="reference"))
+
+
+@ELEMS
+def test_triton_casts_match_reference_bit_for_bit(elem):
+    _check_all(elem, "cpu", "triton")
+
+
+def test_reference_semantics():
+    """Power-of-two scale per row (the smallest with amax/scale <= 448), RNE, saturation; the
+    column cast is the row cast of xᵀ; NaN rows give NaN scales."""
+    x = torch.tensor(
+        [[448.0, -1.0, 0.5], [449.0, 3.0, 0.0], [0.0, 0.0, 0.0], [1.0, float("nan"), 2.0]]
+    )
+    data, scale = reference.cast_rows(x, E4M3)
+    assert scale[:2].tolist() == [1.0, 2.0] and scale[2] == 2.0**-127 and scale[3].isnan()
+    values = data.view(torch.float8_e4m3fn).float()
+    assert values[0].tolist() == [448.0, -1.0, 0.5] and values[1].tolist() == [224.0, 1.5, 0.0]
+    assert values[3].isnan().all()
+    rows = cast_rows(x.t().contiguous(), backend="reference")
+    cols = cast_columns(x, backend="reference")
+    assert torch.equal(_bits(rows.data), _bits(cols[0])) and torch.equal(
+        _bits(rows.scale), _bits(cols[1])
+    )
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="2-D"):
+        cast_rows(torch.zeros(4))
+    with pytest.raises(ValueError, match="row_mult must be float32 of shape"):
+        cast_columns(torch.zeros(4, 4), row_mult=torch.ones(3))
+    with pytest.raises(TypeError, match="elem_dtype"):
+        cast_rows(torch.zeros(4, 4), torch.int8)
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        cast_rows(torch.zeros(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@ELEMS
+def test_gpu_casts_match_reference_bit_for_bit(elem):
+    _check_all(elem, "cuda", "auto")
