@@ -1,6 +1,6 @@
 """A2: gem-small on one GPU, every optimisation on, then each switched off in turn.
 
-Rows (one process, one after another, same data, same steps):
+Rows (each variant in its own process, one after another, same data, same steps):
 
 - ``all on``: jagged kernels (gem_jagged), MXFP8 linears (gem_lowprec) under BF16 autocast,
   AutoAC (gem_memory), Base Batch Shuffling (gem_loadbalance);
@@ -12,18 +12,30 @@ Rows (one process, one after another, same data, same steps):
 - ``PyTorch-native``: the anchor, the same model from PyTorch pieces: padded SDPA, BF16, no
   checkpointing, no shuffling.
 
-Each row reports QPS (samples/s, steady state after warm-up), E2E MFU (useful FLOPs of the real
-tokens per second over the datasheet BF16 peak, 989 TFLOP/s for the H200), Local MFU (each layer
-alone, FLOP-weighted; ``gem-train mfu``), Scaling Ratio = E2E / Local, peak memory, and the QPS
-ratio over the PyTorch-native anchor. Goals (docs/performance.md): all-on QPS ≥ 1.5× the anchor,
-E2E MFU ≥ 0.35.
+Each row runs the trainer's own loop (``train_step`` and the ``Reporter``) and reports QPS
+(samples/s after warm-up), E2E MFU (useful FLOPs of the real tokens per second over the datasheet
+BF16 peak, 989 TFLOP/s for the H200), Local MFU (each layer alone, FLOP-weighted; ``gem-train
+mfu``; measured once per distinct numerics and reused by the rows that share them), Scaling Ratio
+= E2E / Local, peak memory and the QPS ratio over the PyTorch-native anchor. Goals
+(docs/performance.md): all-on QPS ≥ 1.5× the anchor, E2E MFU ≥ 0.35.
+
+Where the time goes, per row: a ``profiling.StepTimer`` splits each timed step into data, forward,
+backward, optimizer and metrics, on the GPU timeline and on the host; a few extra steps run under
+CUDA's sync debug mode and count the host syncs by source line. ``--profile DIR`` adds, for the
+all-on row, the top kernels of one step from ``torch.profiler`` (and a Chrome trace in DIR).
+
+A variant runs in its own process so that a crash (a sticky CUDA error) cannot poison the others;
+a variant that dies of a CUDA error is run again with ``CUDA_LAUNCH_BLOCKING=1`` for one step to
+name the operation that failed.
 
 ``--smoke`` runs a shrunken model for a few steps on the CPU (reference kernels) to catch errors.
 """
 
 import argparse
-import gc
+import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +43,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-import torch  # noqa: E402
-from gem_train.components import build_run  # noqa: E402
-from gem_train.config import apply_overrides, named_config  # noqa: E402
-from gem_train.metrics import batch_flops, peak_flops  # noqa: E402
-from gem_train.mfu import local_mfu_of  # noqa: E402
-from gem_train.train import train_step  # noqa: E402
 
 VARIANTS = {
     "all on": {},
@@ -49,6 +55,12 @@ VARIANTS = {
         "lowprec.token_multiple": "0", "memory.autoac": "false", "data.shuffle": "false",
     },
 }  # fmt: skip
+NUMERICS = (
+    "model.attention",
+    "model.pooling_attention",
+    "lowprec.recipe",
+    "lowprec.token_multiple",
+)
 
 SMOKE = {
     "device": "cpu", "model.d_model": "64", "model.n_heads": "2", "model.n_layers": "1",
@@ -59,49 +71,144 @@ SMOKE = {
     "memory.budget_gib": "2", "lowprec.autocast_bf16": "false", "model.embeddings": "native",
     "lowprec.token_multiple": "128",
 }  # fmt: skip
+RESULT = "A2-RESULT "  # the line a variant's process ends with
 
 
-def run_variant(name: str, flags: dict, *, steps: int, warmup: int, smoke: bool) -> dict:
-    cfg = named_config("gem-small")
+def config_of(flags: dict, *, steps: int, smoke: bool):
+    from gem_train.config import apply_overrides, named_config
+
     overrides = {**(SMOKE if smoke else {}), **flags}  # a variant's own flags win
-    overrides.update({"steps": str(warmup + steps), "metrics.progress": "false"})
+    overrides.update({"steps": str(steps), "metrics.progress": "false", "data.eval_batches": "0"})
     overrides.setdefault("model.embeddings", "native")  # the GPU image has no torchrec
-    cfg = apply_overrides(cfg, overrides)
+    return apply_overrides(named_config("gem-small"), overrides)
+
+
+def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: bool,
+                sync_steps: int, profile: str | None) -> dict:  # fmt: skip
+    """Train ``warmup + steps`` steps of the variant with the trainer's loop; time the last ``steps``."""
+    import torch
+    from gem_train.components import build_run
+    from gem_train.metrics import batch_flops, peak_flops
+    from gem_train.mfu import local_mfu_of
+    from gem_train.profiling import StepTimer, count_syncs
+    from gem_train.reporting import Reporter
+    from gem_train.train import train_step
+
+    extra = sync_steps + (1 if profile else 0)
+    cfg = config_of(flags, steps=warmup + steps + extra, smoke=smoke)
+    t_build = time.perf_counter()
     run = build_run(cfg)
-    device = run.device
-    if device.type == "cuda":
+    build_s = time.perf_counter() - t_build
+    device, cuda = run.device, run.device.type == "cuda"
+    reporter = Reporter(run, start_step=0, t_start=time.perf_counter())
+    timer = StepTimer(device, enabled=False)
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+
+    def step(i: int):
+        timer.begin()
+        prepared = next(run.batches)
+        batch, logits, loss = train_step(run, prepared, i, timer)
+        reporter.step(i, logits, batch, loss, prepared)
+        timer.mark("metrics")
+        return prepared, loss
+
     samples = flops = 0.0
-    t0 = None
-    for step in range(warmup + steps):
-        if step == warmup:
-            if device.type == "cuda":
+    t0 = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:
+            if cuda:
                 torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-        batch, lengths, _, logits, loss = train_step(run, next(run.batches), step)
-        if step >= warmup:
-            samples += batch.num_samples
-            flops += batch_flops(cfg.model, lengths)
-    if device.type == "cuda":
+            t0, timer.enabled = time.perf_counter(), True
+        prepared, loss = step(i)
+        if i >= warmup:
+            samples += prepared.real_samples
+            flops += batch_flops(cfg.model, prepared.lengths)
+    if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    peak = peak_flops(device)
-    memory = (
-        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    )
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    phases = timer.summary()
+    timer.enabled = False
+    first = warmup + steps
+    _, syncs = count_syncs(lambda: [step(first + k) for k in range(sync_steps)])
+    kernels = profile_step(lambda: step(first + sync_steps), profile) if profile else []
     last_loss = loss.item()
-    del run, logits, loss, batch  # free the training run before timing layers alone
-    gc.collect()
-    if device.type == "cuda":
+    run = reporter = loss = prepared = None  # free the training run before timing layers alone
+    if cuda:
         torch.cuda.empty_cache()
-    local = local_mfu_of(cfg, reps=3 if smoke else 5)["local_mfu"]  # no recompute, by definition
-    e2e = flops / seconds / peak if peak else float("nan")
-    result = {
-        "variant": name, "qps": samples / seconds, "step_ms": seconds / steps * 1e3, "e2e_mfu": e2e,
-        "local_mfu": local, "scaling": e2e / local if local and not math.isnan(local) else float("nan"),
-        "peak_gib": memory, "loss": last_loss,
+    layers, local_mfu = [], float("nan")
+    if local:  # no recompute, by definition
+        measured = local_mfu_of(cfg, reps=3 if smoke else 5)
+        layers, local_mfu = measured["layers"], measured["local_mfu"]
+    peak = peak_flops(device)
+    return {
+        "qps": samples / seconds, "step_ms": seconds / steps * 1e3,
+        "e2e_mfu": flops / seconds / peak if peak else float("nan"), "local_mfu": local_mfu,
+        "layers": layers, "peak_gib": memory, "loss": last_loss, "build_s": build_s,
+        "phases": phases, "syncs_per_step": sum(syncs.values()) / max(1, sync_steps),
+        "sync_sites": syncs.most_common(6), "kernels": kernels,
     }  # fmt: skip
-    return result
+
+
+def profile_step(fn, folder: str) -> list:
+    """Top CUDA kernels of one step by device time, and a Chrome trace in ``folder``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    with profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(folder) / "a2_all_on_step.json"))
+    rows = [
+        (e.key, e.count, e.self_device_time_total / 1e3)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[2])
+    return rows[:15]
+
+
+def child_main(args) -> None:
+    flags = VARIANTS[args.child]
+    result = run_variant(
+        flags, steps=args.steps, warmup=args.warmup, smoke=args.smoke, local=args.local,
+        sync_steps=args.sync_steps, profile=args.profile,
+    )  # fmt: skip
+    print(RESULT + json.dumps(result, allow_nan=True), flush=True)
+
+
+def launch(name: str, args, *, local: bool, blocking: bool = False) -> tuple[dict | None, str]:
+    """Run one variant in a fresh process; ``(result or None, the output's tail)``."""
+    command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--sync-steps", str(args.sync_steps)]  # fmt: skip
+    if args.smoke:
+        command.append("--smoke")
+    if local:
+        command.append("--local")
+    if args.profile and name == "all on":
+        command += ["--profile", args.profile]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+        command[command.index("--steps") + 1] = "1"
+        command[command.index("--warmup") + 1] = "0"
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=args.variant_timeout
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return None, f"{out[-1500:]}\n(timed out after {args.variant_timeout} s)"
+    lines = done.stdout.splitlines()
+    result = next((json.loads(x[len(RESULT) :]) for x in lines if x.startswith(RESULT)), None)
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
+    return (result if done.returncode == 0 else None), tail
 
 
 def main() -> None:
@@ -110,51 +217,101 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per variant")
     parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
+    parser.add_argument("--sync-steps", type=int, default=2, help="steps counted for host syncs")
+    parser.add_argument("--profile", default=None, help="folder: profile one all-on step there")
+    parser.add_argument("--variant-timeout", type=int, default=420, help="seconds per variant")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    smoke = args.smoke or not torch.cuda.is_available()
-    if not args.smoke and not torch.cuda.is_available():
+    import torch
+
+    if args.child is None and not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: running the smoke sizes on the CPU")
-    steps = args.steps or (2 if smoke else 15)
-    warmup = args.warmup or (1 if smoke else 3)
-    print(
-        f"A2 gem-small: {common.environment()}; {warmup} warm-up + {steps} timed steps per variant"
-    )
-    rows = []
+    args.smoke = args.smoke or not torch.cuda.is_available()
+    args.steps = args.steps or (2 if args.smoke else 15)
+    args.warmup = args.warmup or (1 if args.smoke else 3)
+    if args.child is not None:
+        return child_main(args)
+    unknown = set(args.only or ()) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--only: unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    print(f"A2 gem-small: {common.environment()}; {args.warmup} warm-up + {args.steps} timed "
+          "steps per variant, each variant in its own process")  # fmt: skip
+    results, local_of = {}, {}
     for name, flags in VARIANTS.items():
         if args.only and name not in args.only:
             continue
-        try:
-            rows.append(run_variant(name, flags, steps=steps, warmup=warmup, smoke=smoke))
-        except Exception as exc:  # one variant failing must not hide the others' numbers
-            print(f"  {name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            rows.append({"variant": name, "qps": float("nan")})
-    anchor = next((r["qps"] for r in rows if r["variant"] == "PyTorch-native"), float("nan"))
-    header = [
-        "variant",
-        "QPS",
-        "step ms",
-        "E2E MFU",
-        "Local MFU",
-        "scaling",
-        "peak GiB",
-        "vs native",
-    ]
-    table = [
-        [r["variant"], r["qps"], r.get("step_ms", float("nan")), r.get("e2e_mfu", float("nan")),
-         r.get("local_mfu", float("nan")), r.get("scaling", float("nan")), r.get("peak_gib", float("nan")),
-         r["qps"] / anchor if anchor else float("nan")]
-        for r in rows
-    ]  # fmt: skip
-    common.print_table(
-        "A2: gem-small, one GPU (MFU against the datasheet BF16 peak)", header, table
-    )
-    all_on = next((r for r in rows if r["variant"] == "all on"), None)
-    if all_on is not None:
-        common.record(
-            "gem_train_a2", qps=all_on["qps"], e2e_mfu=all_on.get("e2e_mfu", float("nan")),
-            local_mfu=all_on.get("local_mfu", float("nan")), speedup_vs_native=all_on["qps"] / anchor,
+        numerics = tuple(flags.get(k) for k in NUMERICS)
+        t0 = time.perf_counter()
+        result, tail = launch(name, args, local=numerics not in local_of)
+        print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if result is None:
+            print(f"  {name} FAILED; the end of its output:\n{_indent(tail)}")
+            if "CUDA error" in tail or "illegal memory access" in tail:
+                _, blocking_tail = launch(name, args, local=False, blocking=True)
+                print(f"  {name} again with CUDA_LAUNCH_BLOCKING=1:\n{_indent(blocking_tail)}")
+            result = {"qps": float("nan")}
+        elif numerics not in local_of:
+            local_of[numerics] = (result["local_mfu"], result["layers"])
+        results[name] = (result, numerics)
+    report(results, local_of)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def report(results: dict, local_of: dict) -> None:
+    nan = float("nan")
+    anchor = results.get("PyTorch-native", ({"qps": nan}, None))[0]["qps"]
+    rows = []
+    for name, (r, numerics) in results.items():
+        local = local_of.get(numerics, (nan, []))[0]
+        e2e = r.get("e2e_mfu", nan)
+        scaling = e2e / local if local and not math.isnan(local) else nan
+        rows.append([name, r["qps"], r.get("step_ms", nan), e2e, local, scaling,
+                     r.get("peak_gib", nan), r.get("syncs_per_step", nan), r["qps"] / anchor])  # fmt: skip
+    ok = {name: r for name, (r, _) in results.items() if "phases" in r}
+    phases = list(dict.fromkeys(p for r in ok.values() for p in r["phases"]))
+    if ok:
+        common.print_table(
+            "A2 per-phase time of a step, ms: GPU timeline / host (StepTimer; GPU ≈ host means "
+            "the GPU waited for the host)",
+            ["variant", *phases],
+            [[name] + [f"{r['phases'][p]['device_ms']:.1f} / {r['phases'][p]['host_ms']:.1f}"
+                       if p in r["phases"] else "-" for p in phases] for name, r in ok.items()],
         )  # fmt: skip
-    if any(math.isnan(r["qps"]) for r in rows):
+        for name, r in ok.items():
+            sites = ", ".join(f"{site} ×{n}" for site, n in r["sync_sites"]) or "none"
+            print(f"host syncs, {name}: {r['syncs_per_step']:.1f} per step: {sites}")
+    for numerics, (local, layers) in local_of.items():
+        if layers:
+            label = ", ".join(f"{k}={v}" for k, v in zip(NUMERICS, numerics, strict=True) if v)
+            common.print_table(
+                f"Local MFU by layer ({label or 'gem-small defaults'}): {local:.3f}",
+                ["layer", "GFLOP", "ms", "TFLOP/s", "MFU"],
+                [[x["layer"], x["gflop"], x["ms"], x["tflops"], x["mfu"]] for x in layers],
+            )
+    kernels = next((r["kernels"] for r in ok.values() if r.get("kernels")), [])
+    if kernels:
+        common.print_table(
+            "all on: top kernels of one profiled step (device time)",
+            ["kernel", "calls", "ms"],
+            [[k[:70], n, ms] for k, n, ms in kernels],
+        )
+    common.print_table(
+        "A2: gem-small, one GPU (MFU against the datasheet BF16 peak)",
+        ["variant", "QPS", "step ms", "E2E MFU", "Local MFU", "scaling", "peak GiB",
+         "syncs/step", "vs native"],
+        rows,
+    )  # fmt: skip
+    if "all on" in results:
+        all_on, numerics = results["all on"]
+        common.record(
+            "gem_train_a2", qps=all_on["qps"], e2e_mfu=all_on.get("e2e_mfu", nan),
+            local_mfu=local_of.get(numerics, (nan,))[0], speedup_vs_native=all_on["qps"] / anchor,
+        )  # fmt: skip
+    if any(math.isnan(r["qps"]) for r, _ in results.values()):
         raise SystemExit(1)
 
 

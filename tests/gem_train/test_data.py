@@ -85,21 +85,21 @@ def test_loader_resumes_exactly(small, shuffle):
         return TrainBatches(SyntheticStream(cfg.data, cfg.model), cfg.data, cfg.model)
 
     straight = stream()
-    expected = [next(straight) for _ in range(6)]
+    expected = [next(straight).batch for _ in range(6)]
     first = stream()
     for _ in range(3):
         next(first)
     resumed = stream()
     resumed.load_state_dict(first.state_dict())
     for want in expected[3:]:
-        assert _equal(next(resumed), want)
+        assert _equal(next(resumed).batch, want)
 
 
 def test_shuffler_keeps_every_sample_once(small):
     cfg = small(data__shuffle=True)
     source = SyntheticStream(cfg.data, cfg.model)
     batches = TrainBatches(source, cfg.data, cfg.model)
-    seen = Batch.cat([next(batches) for _ in range(8)])
+    seen = Batch.cat([next(batches).batch for _ in range(8)])
     read = Batch.cat([source.sub_batch(k) for k in range(16 + 8)])  # look-ahead: 2 batches
     key = lambda b: sorted(zip(b.user.tolist(), b.ad.tolist(), b.lengths.tolist(), strict=True))  # noqa: E731
     # Everything emitted was read, nothing twice (a few read-ahead samples may still wait).
@@ -111,8 +111,8 @@ def test_shuffler_keeps_every_sample_once(small):
 def test_ranks_read_disjoint_sub_batches(small):
     cfg = small(data__shuffle=False)
     source = SyntheticStream(cfg.data, cfg.model)
-    r0 = next(TrainBatches(source, cfg.data, cfg.model, rank=0, world=2))
-    r1 = next(TrainBatches(source, cfg.data, cfg.model, rank=1, world=2))
+    r0 = next(TrainBatches(source, cfg.data, cfg.model, rank=0, world=2)).batch
+    r1 = next(TrainBatches(source, cfg.data, cfg.model, rank=1, world=2)).batch
     assert _equal(r0, Batch.cat([source.sub_batch(0), source.sub_batch(2)]))
     assert _equal(r1, Batch.cat([source.sub_batch(1), source.sub_batch(3)]))
 

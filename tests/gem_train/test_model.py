@@ -4,7 +4,7 @@ import pytest
 import torch
 from gem_train.data.synthetic import SyntheticStream
 from gem_train.metrics import layer_flops
-from gem_train.model import GemModel, loss_of
+from gem_train.model import GemModel, attention, loss_of
 from gem_train.model.embeddings import torchrec_available
 
 
@@ -24,7 +24,10 @@ def _batch(cfg):
     return SyntheticStream(cfg.data, cfg.model).batch(0)
 
 
-def test_jagged_and_padded_attention_compute_the_same_model(small):
+@pytest.mark.parametrize("sdpa_call_elements", [2**30, 64], ids=["one-call", "per-sample-head"])
+def test_jagged_and_padded_attention_compute_the_same_model(small, monkeypatch, sdpa_call_elements):
+    """Also with the padded SDPA split into one call per sample and head (as long histories are)."""
+    monkeypatch.setattr(attention, "SDPA_CALL_ELEMENTS", sdpa_call_elements)
     lengths = {
         "data__min_len": 0,
         "data__median_len": 2,

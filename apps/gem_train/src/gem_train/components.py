@@ -152,8 +152,9 @@ def build_run(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GemModel(cfg.model).to(device)
     batches = TrainBatches(
-        make_source(cfg), cfg.data, cfg.model, rank=rank, world=world, pin=device.type == "cuda"
-    )
+        make_source(cfg), cfg.data, cfg.model, rank=rank, world=world,
+        pin=device.type == "cuda", token_multiple=cfg.lowprec.token_multiple,
+    )  # fmt: skip
     model, notes = apply_optimizations(
         model, cfg, device=device, world=world, sample_source=make_source(cfg)
     )

@@ -83,15 +83,15 @@ class Reporter:
         else:
             print(text, flush=True)
 
-    def step(
-        self, step: int, logits: dict, batch, loss: torch.Tensor, lengths, max_len: int
-    ) -> None:
-        real = logits["ctr"].shape[0]  # padding samples (lowprec.token_multiple) come after
+    def step(self, step: int, logits: dict, batch, loss: torch.Tensor, prepared) -> None:
+        """Record one step (``prepared``: its ``StepBatch``, for the host-side facts)."""
+        real, lengths = prepared.real_samples, prepared.lengths  # padding samples come after
         labels = {"ctr": batch.click[:real], "cvr": batch.conversion[:real]}
         self._pending_losses.append(loss.detach())
         self.samples += real
         self.window.add(
-            logits, labels, tokens=int(lengths.sum()), padded_tokens=len(lengths) * max_len,
+            logits, labels, tokens=int(lengths.sum()),
+            padded_tokens=len(lengths) * int(lengths.max(initial=0)),
             flops=batch_flops(self.cfg.model, lengths),
         )  # fmt: skip
         self.window_cost += float((self.cost_a * lengths + self.cost_b * lengths**2).sum())

@@ -2,9 +2,10 @@
 
 ``train(cfg)`` builds the run (``components.build_run``: process group, model, optimisations,
 optimizer, data), resumes from the newest checkpoint if there is one, then for each step: take
-this rank's next balanced batch, compute both tasks' logits and the summed BCE loss, step AdamW,
-report, and checkpoint when due. At the end it evaluates NE and AUC on held-out batches and returns
-the summary (also written to ``metrics.summary_json``).
+this rank's next balanced batch (prepared in the background), compute both tasks' logits and the
+summed BCE loss, step AdamW, report, and checkpoint when due. Nothing in a step waits for the
+device; an optional ``profiling.StepTimer`` times each phase. At the end it evaluates NE and AUC
+on held-out batches and returns the summary (also written to ``metrics.summary_json``).
 """
 
 import time
@@ -14,22 +15,28 @@ import torch.distributed as dist
 
 from gem_train.components import Run, build_run
 from gem_train.config import TrainConfig
+from gem_train.data.loader import StepBatch
 from gem_train.metrics import quality_of
 from gem_train.model import loss_of
+from gem_train.profiling import StepTimer
 from gem_train.reporting import Reporter
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
     t_start = time.perf_counter()
     run = build_run(cfg)
     start = resume(run)
     reporter = Reporter(run, start_step=start, t_start=t_start)
+    timer = timer or StepTimer(run.device, enabled=False)
     for note in run.notes:
         reporter.print(note)
     run.model.train()
     for step in range(start, cfg.steps):
-        batch, lengths, max_len, logits, loss = train_step(run, next(run.batches), step)
-        reporter.step(step, logits, batch, loss, lengths, max_len)
+        timer.begin()
+        prepared = next(run.batches)  # shuffled, padded, pinned by the loader's thread
+        batch, logits, loss = train_step(run, prepared, step, timer)
+        reporter.step(step, logits, batch, loss, prepared)
+        timer.mark("metrics")
         every = cfg.checkpoint.every
         if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
             save(run, step + 1)
@@ -39,27 +46,24 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def train_step(run: Run, host_batch, step: int):
-    """One optimizer step on one batch; returns what the reporter needs (nothing synced).
-
-    With ``lowprec.token_multiple`` the batch gets dummy samples appended (aligned GEMM shapes);
-    their logits are dropped before the loss, and FLOPs and metrics count the real samples only.
-    """
-    lengths = host_batch.lengths.numpy()
-    real, max_len = host_batch.num_samples, int(lengths.max(initial=0))
-    if run.cfg.lowprec.token_multiple:
-        host_batch = host_batch.padded(token_multiple=run.cfg.lowprec.token_multiple)
-    batch = host_batch.to(run.device, non_blocking=True)
+def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
+    """One optimizer step; returns the device batch, the real samples' logits and the loss, none
+    of them synced. Padding samples (``lowprec.token_multiple``) are dropped before the loss."""
+    batch = prepared.batch.to(run.device, non_blocking=True)
+    timer.mark("data")
     run.set_lr(step)
     with run.autocast():
-        logits = run.model(batch, int(host_batch.lengths.numpy().max(initial=0)))
-    logits = {task: value[:real] for task, value in logits.items()}
+        logits = run.model(batch, prepared.max_len)
+    logits = {task: value[: prepared.real_samples] for task, value in logits.items()}
     loss, _ = loss_of(logits, batch)
+    timer.mark("forward")
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    timer.mark("backward")
     run.clip_gradients()
     run.optimizer.step()
-    return batch, lengths, max_len, logits, loss
+    timer.mark("optimizer")
+    return batch, logits, loss
 
 
 def save(run: Run, step: int) -> None:

@@ -8,14 +8,19 @@ default), ``gem_loadbalance.BaseBatchShuffler`` assembles each local batch from 
 samples so that its cost (``a·L + b·L²``, the model's per-token and per-pair FLOPs) lands on a
 target every rank shares, without communication: ranks with long histories take fewer of them.
 
-Batches are assembled ``data.prefetch`` ahead by a background thread (pinned when training on
-CUDA), each paired with the stream's state right after it, so ``state_dict()`` describes the last
+Batches are prepared ``data.prefetch`` ahead by a background thread, so the training loop finds
+each one ready for the device: shuffled, padded with dummy samples for aligned low-precision GEMMs
+(``lowprec.token_multiple``), pinned when training on CUDA (the copy is then asynchronous), and
+with its host-side facts (real sample count, history lengths, longest history) already computed:
+the loop does no host work on the data and never waits for the device to learn a shape. Each
+is paired with the stream's state right after it, so ``state_dict()`` describes the last
 batch handed to the trainer, never the read-ahead. The stream is resumable: ``load_state_dict``
 followed by iteration continues with exactly the batches the uninterrupted run would have seen.
 """
 
 import queue
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -78,15 +83,41 @@ def cost_coefficients(m: ModelConfig) -> tuple[float, float]:
     return float(per_token), float(per_pair) / 2.0
 
 
+@dataclass
+class StepBatch:
+    """One step's batch, ready for the device, and what the host knows about it.
+
+    ``batch`` holds the ``real_samples`` real samples first, then any dummy samples that align
+    its token count (``lowprec.token_multiple``; out of the loss, the metrics and the FLOPs).
+    ``lengths`` are the real samples' history lengths, ``max_len`` the longest history in
+    ``batch`` (a launch hint for the attention kernels).
+    """
+
+    batch: Batch
+    real_samples: int
+    lengths: np.ndarray
+    max_len: int
+
+    @classmethod
+    def of(cls, batch: Batch, *, token_multiple: int = 0, pin: bool = False) -> "StepBatch":
+        lengths = batch.lengths.numpy()
+        real = batch.num_samples
+        if token_multiple:
+            batch = batch.padded(token_multiple=token_multiple)
+        max_len = int(batch.lengths.numpy().max(initial=0))
+        return cls(batch.pin_memory() if pin else batch, real, lengths, max_len)
+
+
 class TrainBatches:
-    """Iterator of this rank's local training batches; resumable through ``state_dict``."""
+    """Iterator of this rank's ``StepBatch``es; resumable through ``state_dict``."""
 
     def __init__(
         self, source, data: DataConfig, model: ModelConfig, *, rank: int = 0, world: int = 1,
-        pin: bool = False,
+        pin: bool = False, token_multiple: int = 0,
     ):  # fmt: skip
         self.source, self.data, self.model = source, data, model
         self.rank, self.world, self.pin, self.prefetch = rank, world, pin, data.prefetch
+        self.token_multiple = token_multiple
         self.shuffler = self._shuffler() if data.shuffle else None
         self._state = {"produced": 0} | (
             {"shuffler": self.shuffler.state_dict()} if self.shuffler else {}
@@ -134,13 +165,13 @@ class TrainBatches:
             yield Batch.cat(parts)
 
     def _with_states(self, produced: int):
-        """``(batch, the stream's state right after it)`` pairs, pinned for a fast copy to CUDA."""
+        """``(step batch, the stream's state right after it)`` pairs."""
         for batch in self._batches(produced):
             produced += 1
             state = {"produced": produced}
             if self.shuffler is not None:
                 state["shuffler"] = self.shuffler.state_dict()
-            yield (batch.pin_memory() if self.pin else batch), state
+            yield StepBatch.of(batch, token_multiple=self.token_multiple, pin=self.pin), state
 
     def _start(self):
         pairs = self._with_states(self._state["produced"])
@@ -169,7 +200,7 @@ class TrainBatches:
     def __iter__(self):
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> StepBatch:
         if self._iterator is None:
             self._iterator = self._start()
         batch, self._state = next(self._iterator)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gem_train.model.norm import RMSNorm
+
 
 def _jagged():
     try:
@@ -39,6 +41,10 @@ def _op(name: str):
             f"gem_jagged.{name} is not available in the installed gem_jagged ({exc}); "
             "use the padded attention instead (model.attention=padded / model.pooling_attention=padded)"
         ) from exc
+
+
+# The most score entries (samples × heads × L²) one padded SDPA call may span; see ``_padded``.
+SDPA_CALL_ELEMENTS = 2**30
 
 
 def pad(
@@ -110,19 +116,40 @@ class HistorySelfAttention(nn.Module):
         return self.out(o.reshape(total, -1))
 
     def _padded(self, q, k, v, offsets, max_len):
-        # CUDA's fused SDPA kernels need the mask's row stride to be a multiple of 8 elements.
-        length = -(-max_len // 8) * 8
+        """SDPA on the batch padded to its longest history, with the causal + relative-bias mask.
+
+        The call is split over samples and heads so that no call spans more than
+        ``SDPA_CALL_ELEMENTS`` score entries: the memory-efficient kernel (the fused one that
+        takes a float mask) gives the mask a gradient per sample and head, ``[B, N, L, L]``,
+        indexed with 32-bit offsets, which a gem-small batch (80 × 8 × 8704²) overflows.
+        """
+        length = -(-max_len // 16) * 16  # fused kernels want 16-element-aligned mask rows
+        if length == 0:
+            return torch.zeros_like(q)
         (q_B, valid_BL), (k_B, _), (v_B, _) = (pad(t, offsets, length) for t in (q, k, v))
+        q_B, k_B, v_B = (t.transpose(1, 2) for t in (q_B, k_B, v_B))  # [B, N, L, H]
+        batch, heads = q_B.shape[:2]
+        square = max(1, length * length)
+        heads_per_call = max(1, min(heads, SDPA_CALL_ELEMENTS // square))
+        samples_per_call = max(1, SDPA_CALL_ELEMENTS // (heads_per_call * square))
         causal_LL = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        mask = torch.zeros(length, length, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill(~causal_LL, float("-inf"))
-        if self.rel_bias is not None:
-            mask = mask + rel_bias_matrix(self.rel_bias, length).to(q.dtype)
-        # Padding sits after the real tokens, so with the causal mask no real query sees a pad key.
-        o_BNLH = F.scaled_dot_product_attention(
-            q_B.transpose(1, 2), k_B.transpose(1, 2), v_B.transpose(1, 2), attn_mask=mask[None]
-        )
-        return o_BNLH.transpose(1, 2)[valid_BL]
+        causal = torch.zeros(length, length, dtype=q.dtype, device=q.device)
+        causal = causal.masked_fill(~causal_LL, float("-inf"))
+        by_heads = []
+        for h in range(0, heads, heads_per_call):
+            n = slice(h, h + heads_per_call)
+            mask = causal[None]
+            if self.rel_bias is not None:
+                mask = mask + rel_bias_matrix(self.rel_bias[n], length).to(q.dtype)
+            # Padding sits after the real tokens: with the causal mask no real query sees a pad key.
+            by_heads.append(torch.cat([
+                F.scaled_dot_product_attention(
+                    q_B[b : b + samples_per_call, n], k_B[b : b + samples_per_call, n],
+                    v_B[b : b + samples_per_call, n], attn_mask=mask[None],
+                )
+                for b in range(0, batch, samples_per_call)
+            ]))  # fmt: skip
+        return torch.cat(by_heads, dim=1).transpose(1, 2)[valid_BL]
 
 
 def padded_gdpa(q_B, k_B, v_B, valid_q_BL, valid_k_BL, *, activation: str, scale: float):
@@ -147,7 +174,7 @@ class PMAPooling(nn.Module):
         self.seed_q = nn.Parameter(torch.randn(seeds, n_heads, self.head_dim) * 0.02)
         self.kv = nn.Linear(d_model, 2 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
-        self.norm = nn.RMSNorm(d_model)
+        self.norm = RMSNorm(d_model)
 
     def forward(self, x_TD, offsets, max_len):
         k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
@@ -182,15 +209,27 @@ class CandidateCrossAttention(nn.Module):
         self.q = nn.Linear(d_model, d_model, bias=False)
         self.kv = nn.Linear(d_model, 2 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
-        self.norm = nn.RMSNorm(d_model)
+        self.norm = RMSNorm(d_model)
+        self._offsets_cache: dict[tuple, torch.Tensor] = {}
+
+    def _q_offsets(self, batch: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
+        """``[0, C, 2C, ...]``, one tensor per batch size: gem_jagged checks the values of offsets
+        on the device once per tensor (a host sync), so a fresh tensor each step would sync."""
+        key = (batch, tokens, like.device, like.dtype)
+        if key not in self._offsets_cache:
+            self._offsets_cache[key] = (
+                torch.arange(batch + 1, device=like.device, dtype=like.dtype) * tokens
+            )
+        return self._offsets_cache[key]
 
     def forward(self, cand_BCD, x_TD, offsets, max_len):
         batch, tokens, d = cand_BCD.shape
         q = self.q(cand_BCD).view(batch * tokens, self.n_heads, self.head_dim)
         k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
         if self.kind == "jagged":
-            q_offsets = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * tokens
-            o = _op("gdpa")(q, k, v, q_offsets, offsets, activation="silu")
+            o = _op("gdpa")(
+                q, k, v, self._q_offsets(batch, tokens, offsets), offsets, activation="silu"
+            )
         else:
             (k_B, valid_BL), (v_B, _) = pad(k, offsets, max_len), pad(v, offsets, max_len)
             q_B = q.view(batch, tokens, self.n_heads, self.head_dim)

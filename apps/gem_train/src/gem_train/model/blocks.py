@@ -15,6 +15,7 @@ from torch import nn
 
 from gem_train.config import ModelConfig
 from gem_train.model.attention import HistorySelfAttention
+from gem_train.model.norm import RMSNorm
 
 
 class SwiGLU(nn.Module):
@@ -31,12 +32,12 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(m.d_model)
+        self.attn_norm = RMSNorm(m.d_model)
         self.attn = HistorySelfAttention(
             m.d_model, m.n_heads, kind=m.attention, rel_bias_radius=m.rel_bias_radius,
             block_size=m.block_size, rope_theta=m.rope_theta,
         )  # fmt: skip
-        self.ffn_norm = nn.RMSNorm(m.d_model)
+        self.ffn_norm = RMSNorm(m.d_model)
         self.ffn = (
             SwiGLU(m.d_model, m.ffn_hidden)
             if m.ffn == "swiglu"

@@ -31,6 +31,7 @@ from gem_train.data.batch import CANDIDATE_FEATURES, SEQUENCE_FEATURES, Batch
 from gem_train.model.attention import CandidateCrossAttention, PMAPooling
 from gem_train.model.blocks import Block
 from gem_train.model.embeddings import build_embeddings, lookup
+from gem_train.model.norm import RMSNorm
 
 TASKS = ("ctr", "cvr")
 LABEL_OF = {"ctr": "click", "cvr": "conversion"}
@@ -83,7 +84,7 @@ class DenseTower(nn.Module):
         d, e, n_cand = m.d_model, m.emb_dim, len(CANDIDATE_FEATURES)
         self.inputs = InputProjection(m)
         self.blocks = nn.ModuleList(Block(m) for _ in range(m.n_layers))
-        self.final_norm = nn.RMSNorm(d)
+        self.final_norm = RMSNorm(d)
         self.pma = PMAPooling(d, m.n_heads, m.pma_seeds, kind=m.pooling_attention)
         self.cross = CandidateCrossAttention(d, m.n_heads, kind=m.pooling_attention)
         self.interaction = Interaction(m, m.pma_seeds * d + n_cand * d + n_cand * e + 2 * e)
