@@ -201,6 +201,8 @@ GPU_CASES = [  # (dtype, head dim, block size, causal, rope_theta)
     (torch.float16, 128, 128, False, 500000.0),
     (torch.bfloat16, 64, 50, True, None),
     (torch.float16, 32, 64, True, 10000.0),
+    (torch.float32, 128, 64, True, 10000.0),  # fp32: twice the on-chip bytes per block
+    (torch.float32, 128, 128, False, None),
 ]
 
 
@@ -240,6 +242,7 @@ def test_gpu_cuda_graph_capture():
         captured = step()
     for leaf in leaves:
         leaf.data.mul_(0.5)
+    offsets.copy_(offsets_from_lengths([7, 200, 0, 153], device="cuda"))  # same total
     graph.replay()
     torch.cuda.synchronize()
     fresh = step()

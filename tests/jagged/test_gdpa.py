@@ -160,6 +160,26 @@ def test_work_list_schedule_matches_per_sequence(mode):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_offsets_cache_rebuilds_for_changed_or_new_offsets():
+    from gem_jagged.ops.gdpa._offsets_cache import OffsetsCache
+
+    cache, builds = OffsetsCache(), []
+
+    def plan(offsets):
+        return cache.get((offsets,), ("plan", 16), lambda: builds.append(1) or offsets.clone())
+
+    a = torch.tensor([0, 2, 5])
+    assert plan(a) is plan(a) and len(builds) == 1  # built once per offsets tensor
+    a.add_(1)  # an in-place change bumps the version: rebuilt
+    assert torch.equal(plan(a), a) and len(builds) == 2
+    b = a.clone()
+    plan(b)
+    assert len(builds) == 3  # equal values, another tensor: its own entry
+    assert len(cache._entries) == 3
+    del b
+    assert len(cache._entries) == 2  # an entry dies with its offsets tensor
+
+
 def test_reference_gradcheck_fp64():
     q, k, v, q_off, kv_off, rel_bias, _ = _case(
         [2, 0, 3], mode="cross", heads=1, head_dim=32, dtype=torch.float64, device="cpu",
@@ -308,16 +328,32 @@ def test_gpu_matches_fp64(dtype, head_dim, mode, activation, causal, bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["self", "cross", "pma"])
+def test_gpu_fp32_head_dim_128_fits_and_matches_fp64(mode):
+    """fp32 operands take twice the shared memory per tile: their tiles must still launch."""
+    lengths = [0, 1, 127, 300, 5]
+    case = _case(
+        lengths, mode=mode, heads=2, head_dim=128, dtype=torch.float32, device="cuda", seed=2,
+        bias=True, kv_len=64 if mode == "cross" else None, seeds=32,
+    )  # fmt: skip
+    options = dict(activation="silu", causal=True, broadcast_q=mode == "pma")
+    _check_against_fp64(case, dtype=torch.float32, options=options)
+
+
+@pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph_triton():
     _compiled_matches_eager("cuda", "triton", torch.bfloat16, "inductor")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["self", "pma"])
+@pytest.mark.parametrize("mode", ["self", "cross", "pma"])
 def test_gpu_cuda_graph_capture(mode):
+    """A replay sees new values and new lengths copied into the captured inputs and offsets
+    (work lists are built inside the graph, never taken from the eager cache)."""
+    lengths = [100, 0, 257, 3]
     case = _case(
-        [100, 0, 257, 3], mode=mode, heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda",
-        seed=11, bias=False,
+        lengths, mode=mode, heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda",
+        seed=11, bias=False, kv_len=64 if mode == "cross" else None,
     )  # fmt: skip
     q, k, v, q_off, kv_off, _, grad_out = case
     leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
@@ -339,6 +375,10 @@ def test_gpu_cuda_graph_capture(mode):
         captured = step()
     for leaf in leaves:  # new values in place: the replay must see them
         leaf.data.mul_(0.5)
+    moved = [7, 200, 0, 153]  # new lengths, same totals
+    for offsets in (q_off, kv_off):  # the jagged side (cross K/V keep 64 keys each)
+        if offsets is not None and int(offsets[-1]) == sum(lengths):
+            offsets.copy_(offsets_from_lengths(moved, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
     fresh = step()

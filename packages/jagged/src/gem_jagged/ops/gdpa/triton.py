@@ -37,17 +37,48 @@ import triton.language as tl
 from ..._worklist import TileWorkList, key_tiles, query_tiles
 from ._offsets_cache import OffsetsCache
 
-# Activation cost: on NVIDIA GPUs Triton already lowers an fp32 ``tl.exp`` to ``ex2.approx.f32``
-# of ``x·log2(e)`` and an fp32 ``/`` to the approximate ``div.full.f32`` (``tl.fdiv`` with
-# ``ieee_rounding=False`` is the same op), so ``tl.sigmoid`` costs one MUFU exp and one fast
-# division; rewriting it with ``exp2`` or ``fdiv`` would emit the same code.
+# Activation cost: the special-function unit (MUFU: 16 results per clock per SM on Hopper) is as
+# scarce as the tensor cores here. A forward (query, key) pair costs 4·H = 512 matmul FLOPs, an
+# eighth of a clock of an SM's tensor cores at H = 128, and each MUFU op per score another
+# sixteenth of a clock, not overlapped. Triton lowers ``tl.sigmoid`` to ``ex2.approx`` plus the
+# approximate division ``div.full.f32`` (a MUFU reciprocal): two MUFU ops, which made the SiLU
+# forward slower than softmax attention (one ``ex2`` per score). With bf16 operands on a GPU the
+# sigmoid-based activations use ``σ(x) = ½ + ½·tanh(x/2)`` with the one-op ``tanh.approx.f32``
+# instead (absolute error ~5e-4 in σ, far below bf16's rounding of P); fp16, fp32 and the
+# interpreter keep the exact forms.
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "sigmoid": 4, "identity": 5}
+FAST_ACTIVATION_CODES = {"silu": 6, "gelu_tanh": 7, "sigmoid": 8}
+
+
+def activation_code(activation: str, dtype: torch.dtype, device: torch.device) -> int:
+    """The kernels' ``ACT``: the one-MUFU-op form for bf16 on a GPU where there is one."""
+    if dtype == torch.bfloat16 and device.type == "cuda" and activation in FAST_ACTIVATION_CODES:
+        return FAST_ACTIVATION_CODES[activation]
+    return ACTIVATION_CODES[activation]
+
+
+@triton.jit
+def _tanh_approx(x):
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
 def _activation_and_slope(s, ACT: tl.constexpr):
     """``act(s)`` and ``act'(s)`` in fp32."""
-    if ACT == 0:  # silu
+    if ACT == 6:  # silu, one MUFU op
+        sig = 0.5 + 0.5 * _tanh_approx(0.5 * s)
+        return s * sig, sig * (1.0 + s * (1.0 - sig))
+    elif ACT == 7:  # gelu_tanh, one MUFU op
+        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+        t = _tanh_approx(u)
+        du = 0.7978845608028654 * (1.0 + 0.134145 * s * s)
+        return 0.5 * s * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * du
+    elif ACT == 8:  # sigmoid, one MUFU op
+        sig = 0.5 + 0.5 * _tanh_approx(0.5 * s)
+        return sig, sig * (1.0 - sig)
+    elif ACT == 0:  # silu
         sig = tl.sigmoid(s)
         return s * sig, sig * (1.0 + s * (1.0 - sig))
     elif ACT == 1:  # gelu (erf)
@@ -70,7 +101,14 @@ def _activation_and_slope(s, ACT: tl.constexpr):
 
 @triton.jit
 def _activation(s, ACT: tl.constexpr):
-    if ACT == 0:
+    if ACT == 6:
+        return s * (0.5 + 0.5 * _tanh_approx(0.5 * s))
+    elif ACT == 7:
+        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+        return 0.5 * s * (1.0 + _tanh_approx(u))
+    elif ACT == 8:
+        return 0.5 + 0.5 * _tanh_approx(0.5 * s)
+    elif ACT == 0:
         return s * tl.sigmoid(s)
     elif ACT == 1:
         return 0.5 * s * (1.0 + tl.math.erf(s * 0.7071067811865476))
@@ -535,7 +573,7 @@ def gdpa_forward(
     bias = rel_bias_NB.contiguous() if has_bias else q_TNH
     radius = (rel_bias_NB.shape[1] - 1) // 2 if has_bias else 0
     common = dict(
-        H=head_dim, ACT=ACTIVATION_CODES[activation], CAUSAL=causal, HAS_BIAS=has_bias,
+        H=head_dim, ACT=activation_code(activation, q_TNH.dtype, q_TNH.device), CAUSAL=causal, HAS_BIAS=has_bias,
         IEEE=q_TNH.dtype == torch.float32,
     )  # fmt: skip
     work = None
@@ -603,7 +641,7 @@ def gdpa_backward(
     nb_pow2 = triton.next_power_of_2(num_buckets)
     radius = (num_buckets - 1) // 2
     common = dict(
-        H=head_dim, ACT=ACTIVATION_CODES[activation], CAUSAL=causal, HAS_BIAS=has_bias,
+        H=head_dim, ACT=activation_code(activation, q_TNH.dtype, q_TNH.device), CAUSAL=causal, HAS_BIAS=has_bias,
         IEEE=q_TNH.dtype == torch.float32, NB_POW2=nb_pow2,
     )  # fmt: skip
     device = q_TNH.device

@@ -14,9 +14,14 @@ tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the wo
 
 - forward: cross-attention writes each query tile once; PMA sums a sequence's key parts into an
   fp32 output with atomics (each output row gets one add per part).
-- backward dK/dV: keys resident, query tiles stream past; for PMA it also adds its dQ share to a
-  shared fp32 buffer.
-- backward dQ (cross-attention only): one pass over the sequence's key tiles per query tile.
+- backward dK/dV: keys resident, query tiles stream past. PMA splits the key tiles among the
+  parts and adds each part's dQ share to a shared fp32 buffer. Cross-attention splits the
+  query tiles into SPLIT contiguous chunks (one long sequence of queries over 64 candidates
+  would otherwise be one program's serial loop, the tail of the launch) and adds the chunks'
+  dK/dV in fp32; a sequence whose keys fit one tile gets its dQ here as well (one more matmul
+  on scores already recomputed), so its queries are read once.
+- backward dQ (cross-attention with keys longer than one tile): one pass over the sequence's
+  key tiles per query tile.
 - relative bias gradient: one private row of ``[B·SPLIT, N, NB]`` per program, summed once.
 """
 
