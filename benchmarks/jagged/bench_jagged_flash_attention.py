@@ -21,13 +21,21 @@ removes the host's launch overhead and shows what the kernels themselves sustain
 graph-replayed on J1 and J2 beside FlexAttention and padded SDPA, on J3 beside padded SDPA; no
 compiled project (the ratios then use the eager figure) and no nested SDPA. ``--smoke`` runs tiny
 sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast; ``--sweep`` also times
-a few kernel configurations of the project's kernel on J1 and J2.
+kernel configurations of the project's kernel on J1, J2 and J3 (graph replays: device time only,
+since eager timings of one config differ by ±15% from run to run once the host is the limit).
+
+Every GPU run also prints the host's cost per call: the CPU time to issue one step without
+waiting for the device (a loop of calls, no synchronisation), for the public function and for
+the custom op with its work lists rebuilt on every call (how eager calls ran before the eager
+fast path and the work-list cache), beside the step's device time (graph replay). A step whose
+host time exceeds its device time is host-bound when called eagerly.
 """
 
 import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -161,25 +169,91 @@ def run(smoke: bool, sweep: bool, project_only: bool = False, quick: bool = Fals
     if headline:
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
+    if device == "cuda":
+        run_host_cost(dtype)
     if sweep and device == "cuda":
         run_sweep(dtype)
 
 
+def _step(fn, q, k, v, do, backward):
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    if backward:
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
+
+    def forward():
+        with torch.no_grad():
+            fn(*leaves)
+
+    return forward
+
+
+def host_us(step, calls: int = 30) -> float:
+    """CPU microseconds to issue one step, the device left to catch up afterwards."""
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def run_host_cost(dtype) -> None:
+    """Host cost per call against device time, this version and the custom op rebuilding lists."""
+    from gem_jagged import _worklist
+
+    rows = []
+    for w in workloads(False):
+        q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
+        public = project_fn(w, q, k, v, "cuda")
+        q_off = common.offsets_of(w.q_lengths, "cuda")
+        kv_off = common.offsets_of(w.kv_lengths, "cuda")
+        max_len = int(w.q_lengths.max())
+
+        def custom_op(q, k, v, q_off=q_off, kv_off=kv_off, max_len=max_len, causal=w.causal):
+            """The custom op, its work lists built on every call (no cache)."""
+            _worklist.clear_cache()
+            return _op.attention_forward(
+                q, k, v, q_off, kv_off, None, causal, HEAD_DIM**-0.5, max_len, "triton"
+            )[0]
+
+        for backward in (False, True):
+            device_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms,
+                                 graph=True)  # fmt: skip
+            eager_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms)
+            rows.append(
+                [w.name, "fwd+bwd" if backward else "fwd",
+                 host_us(_step(public, q, k, v, do, backward)),
+                 host_us(_step(custom_op, q, k, v, do, backward)),
+                 device_ms * 1e3, eager_ms * 1e3]
+            )  # fmt: skip
+    common.print_table(
+        "host cost per call (CPU us to issue one step, no sync) against device time",
+        ["workload", "pass", "host us (public fn)", "host us (custom op, lists rebuilt)",
+         "device us (graph replay)", "eager us (median, synced)"],
+        rows,
+    )  # fmt: skip
+
+
+def _sweep_variants(base):
+    r = dataclasses.replace
+    return {
+        "default": base,
+        "dkdv m32 w4 s3": r(base, dkdv_block_m=32, dkdv_warps=4),
+        "dkdv m32 w8 s3": r(base, dkdv_block_m=32),
+        "dkdv s2": r(base, dkdv_stages=2),
+        "dq n32 w8 s2": r(base, dq_block_n=32),
+        "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
+        "dkdv n64 w4 (J3)": r(base, dkdv_block_n=64, dkdv_warps=4),
+    }
+
+
 def run_sweep(dtype) -> None:
-    """Time a few kernel configurations of the project's kernel (J1, J2 forward and fwd+bwd)."""
+    """Device time (graph replay) of kernel configurations of the project (J1, J2, J3)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 
     base = jfa_triton._GPU_CONFIGS[HEAD_DIM]
-    variants = {
-        "default": base,
-        "fwd w4": dataclasses.replace(base, fwd_warps=4),
-        "dkdv s3": dataclasses.replace(base, dkdv_stages=3),
-        "dkdv n64 w4": dataclasses.replace(base, dkdv_block_n=64, dkdv_warps=4),
-        "dkdv n64 w8 s3": dataclasses.replace(base, dkdv_block_n=64, dkdv_stages=3),
-        "dq n32 s3": dataclasses.replace(base, dq_block_n=32, dq_stages=3),
-        "dq m64 w4 s3": dataclasses.replace(base, dq_block_m=64, dq_warps=4, dq_stages=3),
-        "no split": dataclasses.replace(base, max_splits=1),
-    }
     rows = []
     for w in workloads(False):
         q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
@@ -187,23 +261,16 @@ def run_sweep(dtype) -> None:
             common.attention_flops(w.pairs(), heads=HEADS, head_dim=HEAD_DIM, backward=b)
             for b in (False, True)
         )
-        q_off = common.offsets_of(w.q_lengths, "cuda")
-        kv_off = common.offsets_of(w.kv_lengths, "cuda")
-        max_len = int(w.q_lengths.max())
-
-        def unchecked(q, k, v, q_off=q_off, kv_off=kv_off, max_len=max_len, causal=w.causal):
-            """The custom op without the public function's host-side offset validation."""
-            scale = HEAD_DIM**-0.5
-            return _op.attention_forward(
-                q, k, v, q_off, kv_off, None, causal, scale, max_len, "triton"
-            )[0]
-
-        for name, cfg in variants.items():
+        fn = project_fn(w, q, k, v, "cuda")
+        for name, cfg in _sweep_variants(base).items():
+            if "(J3)" in name and w.name != "J3":
+                continue
             jfa_triton._GPU_CONFIGS[HEAD_DIM] = cfg
-            fn = unchecked
             try:
-                t_f = ab.timed(fn, q, k, v, do, backward=False, bench=common.bench_ms)
-                t_b = ab.timed(fn, q, k, v, do, backward=True, bench=common.bench_ms)
+                t_f, t_b = (
+                    ab.timed(fn, q, k, v, do, backward=b, bench=common.bench_ms, graph=True)
+                    for b in (False, True)
+                )
             except Exception as exc:  # a config that does not compile must not stop the sweep
                 print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                 t_f = t_b = float("nan")
@@ -212,9 +279,9 @@ def run_sweep(dtype) -> None:
                  common.tflops(flops_b, t_b)]
             )  # fmt: skip
         jfa_triton._GPU_CONFIGS[HEAD_DIM] = base
-        print_kernel_profile(w.name, unchecked, q, k, v, do)
+        print_kernel_profile(w.name, fn, q, k, v, do)
     common.print_table(
-        "kernel config sweep (project only, custom op called without the host-side offset check)",
+        "kernel config sweep (device time: CUDA-graph replays of the public function)",
         ["workload", "config", "fwd ms", "fwd TFLOP/s", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
         rows,
     )

@@ -38,3 +38,12 @@ def test_cuda_offsets_are_synced_once_and_rechecked_after_in_place_change():
     offsets[1] = 7  # bumps the version counter: the next call reads the values again
     with pytest.raises(ValueError, match="non-decreasing"):
         check_offsets("offsets", offsets, total=5, device=offsets.device)
+
+
+@pytest.mark.gpu
+def test_inference_mode_offsets_are_checked_every_call():
+    with torch.inference_mode():
+        offsets = torch.tensor([0, 2, 5], device="cuda")  # an inference tensor: no version
+        for _ in range(2):
+            check_offsets("offsets", offsets, total=5, device=offsets.device)
+        assert not _checks._already_checked(offsets, 5)

@@ -203,6 +203,66 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(g, r)
 
 
+def test_eager_fast_path_matches_the_custom_op_and_dispatch_modes_see_the_op():
+    """Eager Triton calls skip the custom op; the kernels, hence the bits, are the same. Under a
+    TorchDispatchMode (selective checkpointing identifies the op by name) the op is used."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tensors, q_off, kv_off = _case(
+        [20, 0, 9], [20, 0, 9], heads=1, head_dim=32, radius=2, seed=6, dtype=torch.float32
+    )
+    leaves = [tensors[n].clone().requires_grad_() for n in ("q", "k", "v", "rel_bias")]
+    q, k, v, bias = leaves
+    fast = jagged_flash_attention(q, k, v, q_off, causal=True, rel_bias=bias, backend="triton")
+    fast_grads = torch.autograd.grad(fast, leaves, tensors["do"])
+    op_out = _op.attention_forward(q, k, v, q_off, q_off, bias, True, 32**-0.5, None, "triton")[0]
+    op_grads = torch.autograd.grad(op_out, leaves, tensors["do"])
+    for got, want in zip((fast, *fast_grads), (op_out, *op_grads), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names() as mode:
+        jagged_flash_attention(q, k, v, q_off, causal=True, rel_bias=bias, backend="triton")
+    assert "gem_jagged.jagged_flash_attention_fwd.default" in mode.names
+
+
+def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
+    """The split rule on the benchmark's shapes (132 SMs): J1 and J2 stay whole, J3 (64 keys per
+    sequence, one key tile each, a 3635-row longest query range) is cut into 4 chunks."""
+    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+
+    monkeypatch.setattr(jfa_triton, "_sm_count", lambda device: 132)
+    cfg, cuda = jfa_triton._GPU_CONFIGS[128], torch.device("cuda")
+    shapes = {  # (Tq, Tk, B, longest, causal)
+        "J1": (52498, 52498, 64, 3635, True),
+        "J2": (43129, 43129, 16, 5064, True),
+        "J3": (52498, 4096, 64, 3635, False),
+        "short": (4000, 4000, 8, 1000, True),
+    }
+    splits = {
+        name: jfa_triton.dkdv_splits(
+            cfg,
+            total_q=tq,
+            total_kv=tk,
+            num_seqs=b,
+            num_heads=4,
+            longest_q=longest,
+            causal=causal,
+            device=cuda,
+        )  # fmt: skip
+        for name, (tq, tk, b, longest, causal) in shapes.items()
+    }
+    assert splits == {"J1": 1, "J2": 1, "J3": 4, "short": 1}
+
+
 def _bad_inputs():
     t, q_off, _ = _case(
         [3, 4], [3, 4], heads=2, head_dim=32, radius=None, seed=0, dtype=torch.float32
@@ -282,6 +342,24 @@ def test_gpu_matches_fp64_within_reference_error(dtype, lq, lk, causal, radius, 
         tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype, max_q_len=max(lq)
     )
     for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert_within_reference_error(
+            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_float32_fits_the_shared_memory_and_matches_fp64(head_dim):
+    """float32 on the GPU takes smaller tiles (bf16's ran out of shared memory) and IEEE dots."""
+    lq, lk = [700, 1, 0, 130], [650, 9, 4, 130]
+    tensors, q_off, kv_off = _case(
+        lq, lk, heads=2, head_dim=head_dim, radius=5, seed=13, dtype=torch.float64, device="cuda"
+    )
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
+    ref, names = _run(tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.float32)
+    got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.float32)
+    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert got[i].dtype == torch.float32, name
         assert_within_reference_error(
             got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
         )

@@ -76,15 +76,15 @@ _INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 
 
 # bf16 / fp16 (2-byte elements).
 _GPU_CONFIGS = {
-    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 4096, 4),
-    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 4096, 4),
-    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 4096, 4),
+    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
+    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
+    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
 }
 # float32 (4-byte elements, IEEE dots): half-height tiles, two stages; correctness, not speed.
 _GPU_CONFIGS_FP32 = {
-    32: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 4096, 4),
-    64: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 4096, 4),
-    128: JaggedAttentionConfig(64, 32, 4, 2, 32, 32, 4, 2, 64, 32, 4, 2, 4096, 4),
+    32: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 1024, 4),
+    64: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 1024, 4),
+    128: JaggedAttentionConfig(64, 32, 4, 2, 32, 32, 4, 2, 64, 32, 4, 2, 1024, 4),
 }
 
 
@@ -107,28 +107,29 @@ def _sm_count(device: torch.device) -> int:
 
 
 def dkdv_splits(
-    cfg: JaggedAttentionConfig, *, total_q: int, num_seqs: int, num_heads: int, longest_q: int,
-    device: torch.device,
+    cfg: JaggedAttentionConfig, *, total_q: int, total_kv: int, num_seqs: int, num_heads: int,
+    longest_q: int, causal: bool, device: torch.device,
 ) -> int:  # fmt: skip
     """Chunks per key tile: more than one only where the longest tile would be the launch's tail.
 
     The heaviest dK/dV program streams the whole query range of the longest sequence, about
-    ``longest_q`` rows; the launch shares about ``pairs · N / BLOCK_N`` rows over the SMs, with
-    ``pairs`` estimated from host-known sizes as ``T · (T / B) / 2`` (the causal count of equal
-    lengths: an under-estimate for a long tail, so the rule errs towards splitting). Heaviest
-    first scheduling keeps the tail short while the longest program takes at most half of one
-    SM's share; past that, the range is cut into chunks of at least ``split_rows`` rows.
-    Splitting costs a float32 scratch for dK/dV, atomics and a finishing kernel.
+    ``longest_q`` rows. The launch shares about ``pairs · N / BLOCK_N`` streamed rows over the
+    SMs, with ``pairs`` estimated from host-known sizes as ``Tq · Tk / B`` (halved when causal),
+    the count for equal lengths. Heaviest-first scheduling hides a program no longer than one
+    SM's share; a longer one is cut into chunks of about that share (at least ``split_rows``
+    rows, at most ``max_splits`` chunks). Splitting costs a float32 scratch for dK/dV (zeroed:
+    proportional to ``Tk``), atomics and a finishing kernel, so it is kept for real tails: J3
+    (64 keys per sequence, one key tile each) splits, J1 and J2 do not.
     """
     if longest_q <= cfg.split_rows or cfg.max_splits <= 1 or num_seqs == 0:
         return 1
     if device.type != "cuda":  # the interpreter: split whenever allowed, so tests cover it
         return max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
-    pairs = total_q * (total_q / num_seqs) / 2
+    pairs = total_q * total_kv / num_seqs / (2 if causal else 1)
     share = pairs * num_heads / cfg.dkdv_block_n / _sm_count(device)
-    if longest_q <= share / 2:
+    if longest_q <= share:
         return 1
-    return max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
+    return max(1, min(cfg.max_splits, -(-longest_q // max(cfg.split_rows, int(share)))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,8 +623,8 @@ def backward_dkdv(
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
     max_splits = dkdv_splits(
-        cfg, total_q=total_q, num_seqs=q_offsets.shape[0] - 1, num_heads=num_heads,
-        longest_q=longest_q, device=q.device,
+        cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=q_offsets.shape[0] - 1,
+        num_heads=num_heads, longest_q=longest_q, causal=causal, device=q.device,
     )  # fmt: skip
     kwork = key_tiles(
         q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
