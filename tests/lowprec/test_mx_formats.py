@@ -1,7 +1,10 @@
 """MX quantizers: bit-exact kernels, the reference against torch's own casts, special values,
 SQNR yardsticks, stochastic rounding and input errors."""
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +228,15 @@ def test_gpu_hardware_cast_bit_exact(elem, mode):
             ),
         ):
             assert_same_mx(MXTensor(got.data.cpu(), got.scale.cpu(), got.layout), ref)
+
+
+def test_benchmark_smoke(monkeypatch, capsys):
+    """``bench_mx_quantize.py --smoke --sweep`` runs (tiny shapes, CPU, kernels interpreted)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "lowprec" / "bench_mx_quantize.py"
+    spec = importlib.util.spec_from_file_location("bench_mx_quantize", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", [str(path), "--smoke", "--sweep"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "launch-shape sweep" in out and "Q3 rmsnorm+1x32" in out

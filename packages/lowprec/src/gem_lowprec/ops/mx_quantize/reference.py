@@ -43,8 +43,17 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seed_key(seed: int) -> int:
-    """The per-seed offset added to element indices before hashing (shared with the kernels)."""
-    return int(lowbias32(torch.tensor([seed & 0xFFFFFFFF], dtype=torch.int64)).item())
+    """The per-seed offset added to element indices before hashing (shared with the kernels).
+
+    Plain Python integers (the same arithmetic as ``lowbias32``): every kernel launch asks for
+    it, and a round of small tensor ops would cost more host time than the kernel itself."""
+    m = 0xFFFFFFFF
+    x = seed & m
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
 
 
 def stochastic_noise(flat_index: torch.Tensor, seed: int) -> torch.Tensor:

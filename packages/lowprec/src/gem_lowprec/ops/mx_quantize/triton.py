@@ -1,16 +1,29 @@
-"""Triton MX quantize kernels: 1×32 row-wise and column-wise copies from one read, and 32×32.
+"""Triton MX quantize kernels: 1×32 row-wise blocks, 32×32 tiles, and row-wise plus column-wise
+1×32 copies of a matrix from one read.
 
 Legend (shape suffixes): ``M`` rows of x, ``K`` columns of x (x is ``[M, K]`` contiguous),
-``Mb = M/32``, ``Kb = K/32``; inside a program the tile is held as a 4-D block
-``[BM/32, 32, BK/32, 32]`` = (row block, row in block, column block, column in block), so every
-MX block is a reduction over one or two axes of the same registers.
+``Mb = M/32``, ``Kb = K/32``; ``B`` MX blocks held by a program, ``KB`` 32-column blocks held by
+a program, ``BM``/``BK`` rows/columns held by a program.
 
-Stages of one program:
-1. Load a ``[BM, BK]`` tile of x once, widen to float32, take ``|x|`` bit patterns (integers order
-   like the values; a pattern ``>= 0x7F800000`` is NaN/Inf).
-2. Per requested layout, reduce those patterns to the block amax: over the column-in-block axis
-   for row-wise 1×32 blocks, over the row-in-block axis for column-wise blocks, over both for
-   32×32 tiles, and turn each amax into its E8M0 byte (integer rule of the reference).
+Three kernels, each shaped so that its reductions are over register axes of one tile and its
+stores are contiguous:
+
+- ``mx_quantize_rows_kernel`` (blocks along the contiguous dim): x seen as a flat run of MX
+  blocks, a program a ``[B, 32]`` slab of consecutive blocks. One contiguous read, one
+  contiguous write of fp8 bytes, and the ``B`` scale bytes as one contiguous vector. Optionally
+  merges runs of four blocks into 1×128 blocks for Hopper's blockwise GEMM.
+- ``mx_quantize_tile2d_kernel`` (32×32 tiles): a program is a 32-row strip ``[1, 32, KB, 32]``
+  on a GPU; the tile amax reduces the column-in-block axis, then the row axis, leaving a ``[KB]``
+  vector of scale bytes (contiguous in the ``[Mb, Kb]`` scale matrix).
+- ``mx_quantize_rowcol_kernel`` (both 1×32 copies, or only the column-wise one): a
+  ``[BM/32, 32, KB, 32]`` tile; row blocks reduce axis 3, column blocks axis 1; the column copy
+  is stored transposed (``[K, M]``), the K-major operand a GEMM wants.
+
+Stages of every program:
+1. Load the tile once, widen to float32, take ``|x|`` bit patterns (integers order like the
+   values; a pattern ``>= 0x7F800000`` is NaN/Inf).
+2. Reduce those patterns to the block amax and turn each amax into its E8M0 byte (the integer
+   rule of the reference), once per block, not per element.
 3. Encode the elements. On a GPU: multiply by ``2^−e`` (exact in float32 until the result drops
    below 2^−126, which rounds to zero in fp8 either way), clamp to ±max (saturation; the hardware
    cast alone would give NaN), and let the hardware round-to-nearest-even cast do the rest.
@@ -18,12 +31,15 @@ Stages of one program:
    rounding, the reference's integer encoder runs instead (``HW_CONVERT=False``); both are
    checked bit for bit against the reference, the integer one on every bf16 bit pattern on CPU
    and the hardware one likewise on the GPU.
-4. Store the fp8 bytes: row-major for the row-wise copy and the 32×32 tiles, transposed
-   (``[K, M]``) for the column-wise copy so that it is the K-major operand a GEMM wants, and the
-   scale bytes beside them.
+4. Store the fp8 bytes and the scale bytes.
+
+Launch shapes live in one small dataclass per kernel (``RowsTiles``, ``Tile2dTiles``,
+``RowColTiles``); the defaults are the best of the sweep in ``benchmarks/lowprec/
+bench_mx_quantize.py --sweep`` on an H200, and under the interpreter fewer, larger programs.
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,15 +81,19 @@ def lowbias32(x):
 
 
 @triton.jit
-def encode_hw(x_f32, byte, E4M3: tl.constexpr, MAX_VALUE: tl.constexpr, NAN_BITS: tl.constexpr):
-    """fp8 bytes of x / 2^(byte − 127) through the hardware round-to-nearest-even cast."""
+def encode_hw(x_f32, byte, E4M3: tl.constexpr):
+    """fp8 bytes of x / 2^(byte − 127) through the hardware round-to-nearest-even cast.
+
+    Per block (``byte`` is a block vector broadcast against ``x_f32``): ``2^−e``, or NaN for a
+    NaN/Inf block, so that every element of such a block becomes NaN by the product alone. Per
+    element: one multiply and the ``satfinite`` cast, which saturates to ±max and maps NaN to the
+    format's NaN byte (0x7F for both formats), as the reference does."""
     inv_scale = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^−e
-    v = tl.minimum(tl.maximum(x_f32 * inv_scale, -MAX_VALUE), MAX_VALUE)
+    inv_scale = tl.where(byte == 255, float("nan"), inv_scale)
+    v = x_f32 * inv_scale
     if E4M3:
-        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    return tl.where(byte == 255, NAN_BITS, q.to(tl.int32))
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -130,11 +150,14 @@ def encode(
     HW_CONVERT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
+    """uint8 fp8 bytes of ``x_f32 / 2^(byte − 127)``, ``byte`` broadcast per block. The hardware
+    cast on a GPU, the integer encoder under the interpreter and for stochastic rounding (with
+    ``noise``, 32 random bits per element). ``MAX_VALUE`` stays in the shared signature (the
+    fp8 casts pass it): the ``satfinite`` cast saturates at it by itself."""
     if HW_CONVERT and not STOCHASTIC:
-        q = encode_hw(x_f32, byte, E4M3, MAX_VALUE, NAN_BITS)
-    else:
-        x_bits = x_f32.to(tl.int32, bitcast=True)
-        q = encode_int(x_bits, byte, noise, MBITS, EMIN, MAX_BITS, NAN_BITS, STOCHASTIC)
+        return encode_hw(x_f32, byte, E4M3)
+    x_bits = x_f32.to(tl.int32, bitcast=True)
+    q = encode_int(x_bits, byte, noise, MBITS, EMIN, MAX_BITS, NAN_BITS, STOCHASTIC)
     return q.to(tl.uint8)
 
 
@@ -153,122 +176,6 @@ def decode(
     subnormal = mantissa.to(tl.float32) * (2.0 ** (EMIN - MBITS))
     magnitude = tl.where(exp_field > 0, normal_bits.to(tl.float32, bitcast=True), subnormal)
     return tl.where((q & 0x80) != 0, -magnitude, magnitude)
-
-
-@triton.jit
-def mx_quantize_kernel(
-    x_ptr,
-    row_data_ptr,
-    row_scale_ptr,
-    col_data_ptr,
-    col_scale_ptr,
-    M,
-    K,
-    seed_key,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    TILE_2D: tl.constexpr,
-    E4M3: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    EMAX_EXP: tl.constexpr,
-    MAX_BITS: tl.constexpr,
-    MAX_VALUE: tl.constexpr,
-    NAN_BITS: tl.constexpr,
-    RCEIL: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    IN_BF16: tl.constexpr,
-    WIDE_INDEX: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    # Stage 1: one read of the [BM, BK] tile as [BM/32, 32, BK/32, 32].
-    mb = tl.arange(0, BLOCK_M // 32)[:, None, None, None]
-    mi = tl.arange(0, 32)[None, :, None, None]
-    kb = tl.arange(0, BLOCK_K // 32)[None, None, :, None]
-    ki = tl.arange(0, 32)[None, None, None, :]
-    rows = pid_m * BLOCK_M + mb * 32 + mi
-    cols = pid_k * BLOCK_K + kb * 32 + ki
-    if WIDE_INDEX:  # 64-bit offsets only for tensors past 2^31 elements
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows < M) & (cols < K)
-    offs_MK = rows * K + cols
-    x = load_as_float32(x_ptr + offs_MK, in_bounds, IN_BF16)
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    Kb = K // 32
-    Mb = M // 32
-
-    if ROWS:  # 1×32 blocks along K, stored row-major [M, K] with scales [M, Kb]
-        amax_r = tl.max(abs_bits, axis=3, keep_dims=True)
-        byte_r = scale_byte(amax_r, EMAX_EXP, RCEIL)
-        noise_r = offs_MK
-        if STOCHASTIC:
-            noise_r = lowbias32((offs_MK.to(tl.int64) + seed_key) & 0xFFFFFFFF)
-        q_r = encode(
-            x,
-            byte_r,
-            noise_r,
-            E4M3,
-            MBITS,
-            EMIN,
-            MAX_BITS,
-            MAX_VALUE,
-            NAN_BITS,
-            HW_CONVERT,
-            STOCHASTIC,
-        )
-        tl.store(row_data_ptr + offs_MK, q_r, mask=in_bounds)
-        scale_rows = rows * Kb + pid_k * (BLOCK_K // 32) + kb
-        tl.store(
-            row_scale_ptr + scale_rows,
-            byte_r.to(tl.uint8),
-            mask=(rows < M) & (kb * 32 + pid_k * BLOCK_K < K),
-        )
-    if COLS:  # 1×32 blocks along M, stored transposed [K, M] with scales [K, Mb]
-        amax_c = tl.max(abs_bits, axis=1, keep_dims=True)
-        byte_c = scale_byte(amax_c, EMAX_EXP, RCEIL)
-        offs_KM = cols * M + rows
-        noise_c = offs_KM
-        if STOCHASTIC:
-            noise_c = lowbias32((offs_KM.to(tl.int64) + seed_key) & 0xFFFFFFFF)
-        q_c = encode(
-            x,
-            byte_c,
-            noise_c,
-            E4M3,
-            MBITS,
-            EMIN,
-            MAX_BITS,
-            MAX_VALUE,
-            NAN_BITS,
-            HW_CONVERT,
-            STOCHASTIC,
-        )
-        tl.store(col_data_ptr + offs_KM, q_c, mask=in_bounds)
-        scale_cols = cols * Mb + pid_m * (BLOCK_M // 32) + mb
-        tl.store(
-            col_scale_ptr + scale_cols,
-            byte_c.to(tl.uint8),
-            mask=(cols < K) & (mb * 32 + pid_m * BLOCK_M < M),
-        )
-    if TILE_2D:  # 32×32 tiles, stored row-major [M, K] with scales [Mb, Kb]
-        amax_t = tl.max(tl.max(abs_bits, axis=3, keep_dims=True), axis=1, keep_dims=True)
-        byte_t = scale_byte(amax_t, EMAX_EXP, RCEIL)
-        q_t = encode(
-            x, byte_t, offs_MK, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
-        )
-        tl.store(row_data_ptr + offs_MK, q_t, mask=in_bounds)
-        tile_rows = pid_m * (BLOCK_M // 32) + mb
-        tile_cols = pid_k * (BLOCK_K // 32) + kb
-        tl.store(
-            row_scale_ptr + tile_rows * Kb + tile_cols,
-            byte_t.to(tl.uint8),
-            mask=(tile_rows < Mb) & (tile_cols < Kb),
-        )
 
 
 @triton.jit
@@ -303,74 +210,270 @@ def mx_quantize_rows_kernel(
     group scale is the largest of the four, each block's fp8 values are decoded, shifted down by
     the difference in whole binades and re-encoded (round-to-nearest-even; exact unless a value
     leaves the normal range). It stores the merged bytes and one float32 scale per group."""
-    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    # Stage 1: the slab of consecutive blocks.
+    blk_B = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     if WIDE_INDEX:
-        blk = blk.to(tl.int64)
-    in_bounds_B = blk < n_blocks
-    offs_B32 = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+        blk_B = blk_B.to(tl.int64)
+    in_bounds_B = blk_B < n_blocks
+    offs_B32 = blk_B[:, None] * 32 + tl.arange(0, 32)[None, :]
     mask_B32 = in_bounds_B[:, None]
     x = load_as_float32(x_ptr + offs_B32, mask_B32, IN_BF16)
-    amax_B1 = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
-    byte_B1 = scale_byte(amax_B1, EMAX_EXP, RCEIL)
+    # Stage 2: one amax and one scale byte per block, kept as a [BLOCKS] vector.
+    amax_B = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    byte_B = scale_byte(amax_B, EMAX_EXP, RCEIL)
+    # Stage 3: encode every element against its block's byte.
     noise = offs_B32
     if STOCHASTIC:
         noise = lowbias32((offs_B32.to(tl.int64) + seed_key) & 0xFFFFFFFF)
     q = encode(
-        x, byte_B1, noise, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, STOCHASTIC
+        x,
+        byte_B[:, None],
+        noise,
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        STOCHASTIC,
     )
     if MERGE_K128:
         G: tl.constexpr = BLOCKS // 4
-        byte_G = tl.max(tl.reshape(byte_B1, [G, 4]), axis=1)
-        byte_max_B1 = tl.reshape(tl.broadcast_to(byte_G[:, None], [G, 4]), [BLOCKS, 1])
-        shift_B1 = tl.minimum(byte_max_B1 - byte_B1, 126)
-        down_B1 = ((127 - shift_B1) << 23).to(tl.float32, bitcast=True)  # 2^-shift
-        v = decode(q.to(tl.int32), E4M3, MBITS, EMIN, HW_CONVERT) * down_B1
-        unit_B1 = tl.where(byte_max_B1 == 255, 255, 127)  # scale 2^0, or NaN for NaN groups
+        byte_G = tl.max(tl.reshape(byte_B, [G, 4]), axis=1)
+        byte_max_B = tl.reshape(tl.broadcast_to(byte_G[:, None], [G, 4]), [BLOCKS])
+        shift_B = tl.minimum(byte_max_B - byte_B, 126)
+        down_B = ((127 - shift_B) << 23).to(tl.float32, bitcast=True)  # 2^-shift
+        v = decode(q.to(tl.int32), E4M3, MBITS, EMIN, HW_CONVERT) * down_B[:, None]
+        unit_B = tl.where(byte_max_B == 255, 255, 127)  # scale 2^0, or NaN for NaN groups
         q = encode(
-            v, unit_B1, noise, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+            v,
+            unit_B[:, None],
+            noise,
+            E4M3,
+            MBITS,
+            EMIN,
+            MAX_BITS,
+            MAX_VALUE,
+            NAN_BITS,
+            HW_CONVERT,
+            False,
         )
-        grp = tl.program_id(0) * G + tl.arange(0, G)
+        grp_G = tl.program_id(0) * G + tl.arange(0, G)
         group_bits = tl.where(byte_G == 0, 0x00400000, byte_G << 23)  # 2^-127 is subnormal
         group_bits = tl.where(byte_G == 255, 0x7FC00000, group_bits)
         tl.store(
-            group_scale_ptr + grp, group_bits.to(tl.float32, bitcast=True), mask=grp < n_blocks // 4
+            group_scale_ptr + grp_G,
+            group_bits.to(tl.float32, bitcast=True),
+            mask=grp_G < n_blocks // 4,
         )
     else:
-        tl.store(scale_ptr + blk[:, None], byte_B1.to(tl.uint8), mask=in_bounds_B[:, None])
+        tl.store(scale_ptr + blk_B, byte_B.to(tl.uint8), mask=in_bounds_B)
+    # Stage 4: the fp8 bytes.
     tl.store(data_ptr + offs_B32, q, mask=mask_B32)
 
 
-_ROWS_CONFIGS = [
-    triton.Config({"BLOCKS": b}, num_warps=w, num_stages=1)
-    for b, w in [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8), (1024, 8)]
-]
-_tuned_rows_kernel = triton.autotune(
-    configs=_ROWS_CONFIGS,
-    key=["n_blocks", "E4M3", "HW_CONVERT", "IN_BF16", "STOCHASTIC", "MERGE_K128"],
-)(mx_quantize_rows_kernel)
+@triton.jit
+def mx_quantize_tile2d_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    M,
+    K,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX_EXP: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    RCEIL: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
+):
+    """32×32 tiles: a program is ``TILE_ROWS`` strips of 32 rows by ``BLOCK_K`` columns, held as
+    ``[TM, 32, KB, 32]`` = (tile row, row in tile, tile column, column in tile). One strip
+    (``TM = 1``) on a GPU; several under the interpreter, where programs are expensive."""
+    TM: tl.constexpr = TILE_ROWS
+    KB: tl.constexpr = BLOCK_K // 32
+    Kb = K // 32
+    # Stage 1: one read of the strips.
+    tile_row_TM = tl.program_id(0) * TM + tl.arange(0, TM)
+    tile_col_KB = tl.program_id(1) * KB + tl.arange(0, KB)
+    if WIDE_INDEX:
+        tile_row_TM = tile_row_TM.to(tl.int64)
+    rows_TM32 = tile_row_TM[:, None] * 32 + tl.arange(0, 32)[None, :]
+    cols_KB32 = tile_col_KB[:, None] * 32 + tl.arange(0, 32)[None, :]
+    offs = rows_TM32[:, :, None, None] * K + cols_KB32[None, None, :, :]
+    mask = (rows_TM32[:, :, None, None] < M) & (tile_col_KB[None, None, :, None] < Kb)
+    x = load_as_float32(x_ptr + offs, mask, IN_BF16)
+    # Stage 2: amax over the 32 columns of each block, then over the 32 rows: one byte per tile.
+    amax_TMKB = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=3), axis=1)
+    byte_TMKB = scale_byte(amax_TMKB, EMAX_EXP, RCEIL)
+    # Stage 3-4: encode, store the bytes and the scale bytes (rows of the [Mb, Kb] matrix).
+    q = encode(
+        x,
+        byte_TMKB[:, None, :, None],
+        offs,
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        False,
+    )
+    tl.store(data_ptr + offs, q, mask=mask)
+    tl.store(
+        scale_ptr + tile_row_TM[:, None] * Kb + tile_col_KB[None, :],
+        byte_TMKB.to(tl.uint8),
+        mask=(tile_col_KB[None, :] < Kb) & (tile_row_TM[:, None] * 32 < M),
+    )
 
 
-_TUNED_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bm, bk, w, s in [
-        (32, 128, 4, 1),
-        (32, 256, 4, 1),
-        (32, 256, 8, 1),
-        (64, 128, 4, 1),
-        (64, 256, 8, 1),
-        (128, 128, 8, 1),
-        (32, 512, 8, 1),
-        (64, 64, 4, 1),
-        (64, 512, 8, 1),
-    ]
-]
-_tuned_kernel = triton.autotune(
-    configs=_TUNED_CONFIGS,
-    key=["M", "K", "ROWS", "COLS", "TILE_2D", "E4M3", "HW_CONVERT", "IN_BF16"],
-)(mx_quantize_kernel)
+@triton.jit
+def mx_quantize_rowcol_kernel(
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    M,
+    K,
+    seed_key,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX_EXP: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    RCEIL: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
+):
+    """Column-wise 1×32 blocks (stored transposed, ``[K, M]``), and with ``ROWS`` the row-wise
+    ones from the same read. The tile is ``[BM/32, 32, KB, 32]`` = (row block, row in block,
+    column block, column in block)."""
+    MB: tl.constexpr = BLOCK_M // 32
+    KB: tl.constexpr = BLOCK_K // 32
+    Kb = K // 32
+    Mb = M // 32
+    # Stage 1: one read of the [BM, BK] tile.
+    mb = tl.program_id(0) * MB + tl.arange(0, MB)  # global row-block and column-block indices
+    kb = tl.program_id(1) * KB + tl.arange(0, KB)
+    if WIDE_INDEX:  # 64-bit offsets only for tensors past 2^31 elements
+        mb = mb.to(tl.int64)
+        kb = kb.to(tl.int64)
+    rows = mb[:, None, None, None] * 32 + tl.arange(0, 32)[None, :, None, None]
+    cols = kb[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    in_bounds = (rows < M) & (cols < K)
+    offs_MK = rows * K + cols
+    x = load_as_float32(x_ptr + offs_MK, in_bounds, IN_BF16)
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
-# Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
-_INTERPRETER_BLOCK = {"BLOCK_M": 256, "BLOCK_K": 64}
+    if ROWS:  # 1×32 blocks along K, stored row-major [M, K] with scales [M, Kb]
+        byte_r = scale_byte(tl.max(abs_bits, axis=3), EMAX_EXP, RCEIL)  # [MB, 32, KB]
+        noise_r = offs_MK
+        if STOCHASTIC:
+            noise_r = lowbias32((offs_MK.to(tl.int64) + seed_key) & 0xFFFFFFFF)
+        q_r = encode(
+            x,
+            byte_r[:, :, :, None],
+            noise_r,
+            E4M3,
+            MBITS,
+            EMIN,
+            MAX_BITS,
+            MAX_VALUE,
+            NAN_BITS,
+            HW_CONVERT,
+            STOCHASTIC,
+        )
+        tl.store(row_data_ptr + offs_MK, q_r, mask=in_bounds)
+        rows_r = mb[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
+        kb_r = kb[None, None, :]
+        tl.store(
+            row_scale_ptr + rows_r * Kb + kb_r,
+            byte_r.to(tl.uint8),
+            mask=(rows_r < M) & (kb_r < Kb),
+        )
+    # 1×32 blocks along M, stored transposed [K, M] with scales [K, Mb]
+    byte_c = scale_byte(tl.max(abs_bits, axis=1), EMAX_EXP, RCEIL)  # [MB, KB, 32]
+    offs_KM = cols * M + rows
+    noise_c = offs_KM
+    if STOCHASTIC:
+        noise_c = lowbias32((offs_KM.to(tl.int64) + seed_key) & 0xFFFFFFFF)
+    q_c = encode(
+        x,
+        byte_c[:, None, :, :],
+        noise_c,
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        STOCHASTIC,
+    )
+    tl.store(col_data_ptr + offs_KM, q_c, mask=in_bounds)
+    cols_c = kb[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    mb_c = mb[:, None, None]
+    tl.store(
+        col_scale_ptr + cols_c * Mb + mb_c,
+        byte_c.to(tl.uint8),
+        mask=(cols_c < K) & (mb_c < Mb),
+    )
+
+
+@dataclass(frozen=True)
+class RowsTiles:
+    """``mx_quantize_rows_kernel``: ``blocks`` consecutive MX blocks (of 32) per program."""
+
+    blocks: int = 128
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class Tile2dTiles:
+    """``mx_quantize_tile2d_kernel``: ``tile_rows`` strips of 32 rows by ``block_k`` columns per
+    program."""
+
+    block_k: int = 256
+    num_warps: int = 4
+    tile_rows: int = 1
+
+
+@dataclass(frozen=True)
+class RowColTiles:
+    """``mx_quantize_rowcol_kernel``: a ``[block_m, block_k]`` tile per program."""
+
+    block_m: int = 64
+    block_k: int = 128
+    num_warps: int = 8
+
+
+# On a GPU: the dataclass defaults (the best of the benchmark's sweep on an H200). Under the
+# interpreter each program is a round of numpy calls: few, large tiles run fastest.
+GPU_TILES = (RowsTiles(), Tile2dTiles(), RowColTiles())
+INTERPRETER_TILES = (RowsTiles(512, 4), Tile2dTiles(64, 4, 16), RowColTiles(256, 64, 4))
+
+
+def default_tiles(device: torch.device):
+    """(rows, tile2d, rowcol) launch shapes for ``device``."""
+    if INTERPRETING or device.type != "cuda":
+        return INTERPRETER_TILES
+    return GPU_TILES
 
 
 def format_constants(fmt: ElemFormat) -> dict:
@@ -389,6 +492,10 @@ def use_hw_convert(x: torch.Tensor, force_integer: bool) -> bool:
     return x.is_cuda and not INTERPRETING and not force_integer
 
 
+def _needs_wide_index(x: torch.Tensor) -> bool:
+    return x.numel() >= 2**31 - 2**20
+
+
 def mx_quantize(
     x_MK: torch.Tensor,
     fmt: ElemFormat,
@@ -399,11 +506,13 @@ def mx_quantize(
     scale_mode: str,
     seed: int | None,
     force_integer: bool = False,
+    tiles: RowsTiles | Tile2dTiles | RowColTiles | None = None,
 ):
     """Launch the quantizer on a contiguous ``[M, K]`` tensor (M, K multiples of 32).
 
     Returns ``(row_data [M, K], row_scale [M, Kb] or [Mb, Kb] for 32×32, col_data [K, M],
-    col_scale [K, Mb])`` as uint8; outputs of layouts not asked for are empty.
+    col_scale [K, Mb])`` as uint8; outputs of layouts not asked for are empty. ``tiles``
+    overrides the launch shape of the kernel the layout picks (benchmark sweeps).
     """
     M, K = x_MK.shape
     dev = x_MK.device
@@ -417,37 +526,57 @@ def mx_quantize(
     col_scale = buffer((K, M // 32), cols)
     if M == 0 or K == 0:
         return row_data, row_scale, col_data, col_scale
+    rows_tiles, tile2d_tiles, rowcol_tiles = default_tiles(dev)
     in_bf16 = x_MK.dtype == torch.bfloat16
     x_arg = x_MK.view(torch.int16) if in_bf16 else x_MK
-    wide = x_MK.numel() >= 2**31 - 2**20
-    if rows and not cols:
-        _launch_rows(
-            x_arg, row_data, row_scale, None, fmt, scale_mode, seed, force_integer, in_bf16, wide
-        )
-        return row_data, row_scale, col_data, col_scale
-    args = (x_arg, row_data, row_scale, col_data, col_scale, M, K, seed_key(seed or 0))
     constants = dict(
-        ROWS=rows,
-        COLS=cols,
-        TILE_2D=tile_2d,
         RCEIL=scale_mode == "rceil",
         HW_CONVERT=use_hw_convert(x_MK, force_integer),
-        STOCHASTIC=seed is not None,
         IN_BF16=in_bf16,
-        WIDE_INDEX=wide,
+        WIDE_INDEX=_needs_wide_index(x_MK),
         **format_constants(fmt),
     )
-    if INTERPRETING or not x_MK.is_cuda:
-        bm, bk = _INTERPRETER_BLOCK["BLOCK_M"], _INTERPRETER_BLOCK["BLOCK_K"]
-        grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
-        mx_quantize_kernel[grid](*args, BLOCK_M=bm, BLOCK_K=bk, **constants)
+    if tile_2d:
+        t = tiles or tile2d_tiles
+        grid = (triton.cdiv(M // 32, t.tile_rows), triton.cdiv(K, t.block_k))
+        mx_quantize_tile2d_kernel[grid](
+            x_arg,
+            row_data,
+            row_scale,
+            M,
+            K,
+            TILE_ROWS=t.tile_rows,
+            BLOCK_K=t.block_k,
+            num_warps=t.num_warps,
+            **constants,
+        )
+    elif rows and not cols:
+        _launch_rows(x_arg, row_data, row_scale, None, seed, tiles or rows_tiles, constants)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))
-        _tuned_kernel[grid](*args, **constants)
+        t = tiles or rowcol_tiles
+        grid = (triton.cdiv(M, t.block_m), triton.cdiv(K, t.block_k))
+        mx_quantize_rowcol_kernel[grid](
+            x_arg,
+            row_data,
+            row_scale,
+            col_data,
+            col_scale,
+            M,
+            K,
+            seed_key(seed or 0),
+            BLOCK_M=t.block_m,
+            BLOCK_K=t.block_k,
+            ROWS=rows,
+            STOCHASTIC=seed is not None,
+            num_warps=t.num_warps,
+            **constants,
+        )
     return row_data, row_scale, col_data, col_scale
 
 
-def mx_quantize_merged_k128(x_MK: torch.Tensor, fmt: ElemFormat, *, scale_mode: str):
+def mx_quantize_merged_k128(
+    x_MK: torch.Tensor, fmt: ElemFormat, *, scale_mode: str, tiles: RowsTiles | None = None
+):
     """MX-quantize rows of a contiguous ``[M, K]`` (K % 128 == 0) and merge to 1×128 blocks:
     returns (fp8 bytes uint8 ``[M, K]``, float32 scales ``[M, K/128]``)."""
     M, K = x_MK.shape
@@ -456,30 +585,33 @@ def mx_quantize_merged_k128(x_MK: torch.Tensor, fmt: ElemFormat, *, scale_mode: 
     if M == 0:
         return data, group_scale
     in_bf16 = x_MK.dtype == torch.bfloat16
+    constants = dict(
+        RCEIL=scale_mode == "rceil",
+        HW_CONVERT=use_hw_convert(x_MK, False),
+        IN_BF16=in_bf16,
+        WIDE_INDEX=_needs_wide_index(x_MK),
+        **format_constants(fmt),
+    )
     x_arg = x_MK.view(torch.int16) if in_bf16 else x_MK
-    wide = x_MK.numel() >= 2**31 - 2**20
-    _launch_rows(x_arg, data, data, group_scale, fmt, scale_mode, None, False, in_bf16, wide)
+    _launch_rows(
+        x_arg, data, data, group_scale, None, tiles or default_tiles(x_MK.device)[0], constants
+    )
     return data, group_scale
 
 
-def _launch_rows(
-    x_arg, data, scale, group_scale, fmt, scale_mode, seed, force_integer, in_bf16, wide
-):
+def _launch_rows(x_arg, data, scale, group_scale, seed, tiles: RowsTiles, constants):
     n_blocks = x_arg.numel() // 32
     merge = group_scale is not None
-    constants = dict(
+    mx_quantize_rows_kernel[(triton.cdiv(n_blocks, tiles.blocks),)](
+        x_arg,
+        data,
+        scale,
+        group_scale if merge else scale,
+        n_blocks,
+        seed_key(seed or 0),
+        BLOCKS=tiles.blocks,
         MERGE_K128=merge,
-        RCEIL=scale_mode == "rceil",
-        HW_CONVERT=use_hw_convert(x_arg, force_integer),
         STOCHASTIC=seed is not None,
-        IN_BF16=in_bf16,
-        WIDE_INDEX=wide,
-        **format_constants(fmt),
+        num_warps=tiles.num_warps,
+        **constants,
     )
-    args = (x_arg, data, scale, group_scale if merge else scale, n_blocks, seed_key(seed or 0))
-    if INTERPRETING or not x_arg.is_cuda:
-        blocks = 512
-        mx_quantize_rows_kernel[(triton.cdiv(n_blocks, blocks),)](*args, BLOCKS=blocks, **constants)
-    else:
-        grid = lambda meta: (triton.cdiv(n_blocks, meta["BLOCKS"]),)
-        _tuned_rows_kernel[grid](*args, **constants)

@@ -1,16 +1,21 @@
 """Triton RMSNorm fused with 1×32 MX quantization: the normalized activation never goes to memory.
 
-Legend: ``M`` rows, ``N`` features (a multiple of 32, at most 16384), ``Nb = N/32``, ``NB_P2``
-that rounded up to a power of two (extra blocks masked). A program holds ``BLOCK_M`` whole rows
-as a slab ``[R, 32]`` of ``R = BLOCK_M · NB_P2`` MX blocks, the shape in which the 32-element
-reductions are cheapest; per-row sums go through a ``[BLOCK_M, NB_P2]`` reshape of block sums.
+Legend: ``M`` rows, ``N`` features (a multiple of 32, at most 16384), ``Nb = N/32``, ``NB`` that
+rounded up to a power of two (extra blocks masked), ``BM`` rows per program. A program holds its
+rows as a ``[BM, NB, 32]`` tile (row, MX block, element in block): the row's sum of squares
+reduces the last two axes, a block's amax the last one, so every reduction stays on register
+axes of one tile and no reshape moves data between threads.
 
-Stages: (1) load the rows once and widen to float32; (2) ``rstd = 1/sqrt(mean(x²) + eps)`` per
-row and ``y = x · rstd · weight``; (3) per 32-element block, the amax of ``|y|`` bit patterns gives
-the E8M0 byte and ``y`` is encoded exactly like ``to_mx`` does (the shared ``encode`` of the
-quantize kernel); (4) store fp8 bytes and scale bytes. ``STORE_Y`` (tests only) also writes the
-float32 ``y`` so the quantization can be checked bit for bit against the reference.
+Stages: (1) load the rows once and widen to float32, and the weight once per program;
+(2) ``rstd = 1/sqrt(mean(x²) + eps)`` per row and ``y = x · rstd · weight``; (3) per 32-element
+block, the amax of ``|y|`` bit patterns gives the E8M0 byte and ``y`` is encoded exactly like
+``to_mx`` does (the shared ``encode`` of the quantize kernels); (4) store the fp8 bytes and the
+``[BM, NB]`` scale bytes (contiguous rows of the ``[M, Nb]`` scale matrix). ``STORE_Y`` (tests
+only) also writes the float32 ``y`` so the quantization can be checked bit for bit against the
+reference.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,7 +42,7 @@ def rmsnorm_mx_kernel(
     N,
     eps,
     BLOCK_M: tl.constexpr,
-    NB_P2: tl.constexpr,
+    NB: tl.constexpr,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
@@ -50,40 +55,65 @@ def rmsnorm_mx_kernel(
     IN_BF16: tl.constexpr,
     W_BF16: tl.constexpr,
     STORE_Y: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
 ):
-    # The program's rows as a slab of R = BLOCK_M · NB_P2 MX blocks of 32 ([R, 32]); block r is
-    # (row r // NB_P2, block r % NB_P2 of that row).
-    R: tl.constexpr = BLOCK_M * NB_P2
-    blk_R = tl.arange(0, R)
-    row_R = tl.program_id(0) * BLOCK_M + blk_R // NB_P2
-    nb_R = blk_R % NB_P2
-    j = tl.arange(0, 32)[None, :]
-    cols_R32 = nb_R[:, None] * 32 + j
-    mask_R32 = (row_R[:, None] < M) & (cols_R32 < N)
-    offs_R32 = row_R[:, None].to(tl.int64) * N + cols_R32
-    # Stage 1-2: one read, sum of squares per block then per row, normalize in float32.
-    x = load_as_float32(x_ptr + offs_R32, mask_R32, IN_BF16)
-    w = load_as_float32(w_ptr + cols_R32, cols_R32 < N, W_BF16)
-    sum_sq_M = tl.sum(tl.reshape(tl.sum(x * x, axis=1), [BLOCK_M, NB_P2]), axis=1)
-    rstd_M = 1.0 / tl.sqrt(sum_sq_M / N + eps)
-    rstd_R = tl.reshape(tl.broadcast_to(rstd_M[:, None], [BLOCK_M, NB_P2]), [R])
-    y = x * rstd_R[:, None] * w
+    # Stage 1: the program's rows as [BM, NB, 32], the weight as [NB, 32].
+    rows_BM = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE_INDEX:
+        rows_BM = rows_BM.to(tl.int64)
+    blk_NB = tl.arange(0, NB)
+    cols_NB32 = blk_NB[:, None] * 32 + tl.arange(0, 32)[None, :]
+    col_ok_NB32 = cols_NB32 < N
+    offs = rows_BM[:, None, None] * N + cols_NB32[None, :, :]
+    mask = (rows_BM[:, None, None] < M) & col_ok_NB32[None, :, :]
+    x = load_as_float32(x_ptr + offs, mask, IN_BF16)
+    w_NB32 = load_as_float32(w_ptr + cols_NB32, col_ok_NB32, W_BF16)
+    # Stage 2: sum of squares per row, normalize in float32 (the reference's order of products).
+    sum_sq_BM = tl.sum(tl.sum(x * x, axis=2), axis=1)
+    rstd_BM = 1.0 / tl.sqrt(sum_sq_BM / N + eps)
+    y = x * rstd_BM[:, None, None] * w_NB32[None, :, :]
     if STORE_Y:
-        tl.store(y_ptr + offs_R32, y, mask=mask_R32)
-    # Stage 3: block scales and elements (the encoder of to_mx).
-    amax_R1 = tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
-    byte_R1 = scale_byte(amax_R1, EMAX_EXP, RCEIL)
+        tl.store(y_ptr + offs, y, mask=mask)
+    # Stage 3: one scale byte per block, then the elements (the encoder of to_mx).
+    amax_BMNB = tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    byte_BMNB = scale_byte(amax_BMNB, EMAX_EXP, RCEIL)
     q = encode(
-        y, byte_R1, offs_R32, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+        y,
+        byte_BMNB[:, :, None],
+        offs,
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        False,
     )
     # Stage 4: store bytes and scales.
-    tl.store(data_ptr + offs_R32, q, mask=mask_R32)
-    scale_offs = row_R[:, None].to(tl.int64) * (N // 32) + nb_R[:, None]
+    tl.store(data_ptr + offs, q, mask=mask)
     tl.store(
-        scale_ptr + scale_offs,
-        byte_R1.to(tl.uint8),
-        mask=(row_R[:, None] < M) & (nb_R[:, None] * 32 < N),
+        scale_ptr + rows_BM[:, None] * (N // 32) + blk_NB[None, :],
+        byte_BMNB.to(tl.uint8),
+        mask=(rows_BM[:, None] < M) & (blk_NB[None, :] * 32 < N),
     )
+
+
+@dataclass(frozen=True)
+class RmsnormTiles:
+    """Launch shape: about ``elements`` tile elements per program (whole rows), ``num_warps``."""
+
+    elements: int = 8192
+    num_warps: int = 8
+
+    def block_m(self, n_features: int) -> int:
+        return max(1, self.elements // (triton.next_power_of_2(n_features // 32) * 32))
+
+
+# On a GPU the dataclass defaults (the best of the benchmark's sweep on an H200); under the
+# interpreter a few thousand elements per program keep numpy's arrays small.
+GPU_TILES = RmsnormTiles()
+INTERPRETER_TILES = RmsnormTiles(elements=2048, num_warps=4)
 
 
 def rmsnorm_mx(
@@ -94,8 +124,7 @@ def rmsnorm_mx(
     scale_mode: str,
     *,
     store_y: bool = False,
-    block_m: int | None = None,
-    num_warps: int | None = None,
+    tiles: RmsnormTiles | None = None,
 ):
     """Returns (data uint8 [M, N], scale uint8 [M, N/32], y float32 [M, N] or empty)."""
     M, N = x_MN.shape
@@ -105,12 +134,9 @@ def rmsnorm_mx(
     y = torch.empty((M, N) if store_y else 0, dtype=torch.float32, device=dev)
     if M == 0:
         return data, scale, y
-    nb_p2 = triton.next_power_of_2(N // 32)
-    if block_m is None:  # about 8K elements per program on a GPU, fewer under the interpreter
-        block_m = max(1, min(64, (2048 if INTERPRETING else 8192) // (nb_p2 * 32)))
-        block_m = min(block_m, triton.next_power_of_2(M))
-    if num_warps is None:
-        num_warps = 8 if block_m * nb_p2 * 32 >= 8192 else 4
+    if tiles is None:
+        tiles = INTERPRETER_TILES if INTERPRETING or not x_MN.is_cuda else GPU_TILES
+    block_m = min(tiles.block_m(N), triton.next_power_of_2(M))
     in_bf16 = x_MN.dtype == torch.bfloat16
     w_bf16 = weight_N.dtype == torch.bfloat16
     rmsnorm_mx_kernel[(triton.cdiv(M, block_m),)](
@@ -123,13 +149,14 @@ def rmsnorm_mx(
         N,
         eps,
         BLOCK_M=block_m,
-        NB_P2=nb_p2,
+        NB=triton.next_power_of_2(N // 32),
         RCEIL=scale_mode == "rceil",
         HW_CONVERT=use_hw_convert(x_MN, False),
         IN_BF16=in_bf16,
         W_BF16=w_bf16,
         STORE_Y=store_y,
-        num_warps=num_warps,
+        WIDE_INDEX=x_MN.numel() >= 2**31 - 2**20,
+        num_warps=tiles.num_warps,
         **format_constants(fmt),
     )
     return data, scale, y
