@@ -1,15 +1,20 @@
 """G1 of workloads.md: linear forward + backward, 32768 tokens, 1024 -> 4096 and 4096 -> 1024,
 BF16 against the low-precision recipes, all quantization included, measured in one run.
 
-Rows: ``F.linear`` in BF16 (the anchor), ``LowPrecisionLinear`` with ``mxfp8`` and
+Table 1 (totals): ``F.linear`` in BF16 (the anchor), ``LowPrecisionLinear`` with ``mxfp8`` and
 ``fp8_rowwise``, each with the weight-gradient in BF16 (default) and in fp8, with the per-shape
-fallback switched off so that the fp8 path itself is timed; then what the default recipe (with
-its measured fallback) picks. TFLOP/s counts 3 · 2 · M · K · N per fwd+bwd. ``--smoke`` runs a
-tiny shape on the CPU (emulated GEMMs).
+fallback switched off so that the fp8 path itself is timed; then what the recipes with their
+measured fallback pick. TFLOP/s counts 3 · 2 · M · K · N per fwd+bwd.
+
+Table 2 (breakdown): every kernel of each path timed alone on the same tensors (the casts in
+TB/s of bytes read + written, the GEMMs in TFLOP/s), its share of the path's summed kernel time,
+and the sum against the measured total (the rest is launch and autograd overhead). That says
+what limits each recipe. ``--smoke`` runs tiny shapes on the CPU (emulated GEMMs).
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -19,7 +24,29 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gem_lowprec import LowPrecisionLinear  # noqa: E402
 from gem_lowprec.linear import fallback_report  # noqa: E402
+from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows  # noqa: E402
 from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa: E402
+from gem_lowprec.scaled_matmul import (  # noqa: E402
+    blockwise_matmul,
+    quantize_mx_k128,
+    rowwise_matmul,
+)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def timer(smoke: bool):
+    """``common.try_bench`` on the GPU; with ``--smoke`` one untimed-quality call (it checks that
+    every path runs, in seconds)."""
+    if not smoke:
+        return common.try_bench
+
+    def once(fn, **_):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return once
 
 
 def fwd_bwd(module, x, dy):
@@ -31,25 +58,92 @@ def fwd_bwd(module, x, dy):
     return step
 
 
+def rowwise_pieces(x, w, dy, fp8_wgrad: bool):
+    """(name, fn, bytes moved or flops, kind) of the fp8_rowwise path, as linear.py runs it."""
+    (m, k), n = x.shape, w.shape[0]
+    fold_into_dy = fp8_wgrad and k > n
+    xr = cast_rows(x, E4M3, transposed=fold_into_dy)
+    wr, (wt, wts) = cast_rows(w, E4M3), cast_columns(w, E4M3)
+    dyr = cast_rows(
+        dy,
+        E4M3,
+        transposed=fp8_wgrad and not fold_into_dy,
+        col_amax_row_mult=xr.scale if fold_into_dy else None,
+    )
+    gemm = 2 * m * k * n
+    out = [
+        (f"cast x rows{' + xᵀ' if fold_into_dy else ''}", lambda: cast_rows(x, E4M3, transposed=fold_into_dy), m * k * (3 + fold_into_dy), "cast"),
+        ("cast W rows + columns", lambda: (cast_rows(w, E4M3), cast_columns(w, E4M3)), n * k * 8, "cast"),
+        (
+            f"cast dy rows{' + dyᵀ' if fp8_wgrad and not fold_into_dy else ''}{' + col amax' if fold_into_dy else ''}",
+            lambda: cast_rows(dy, E4M3, transposed=fp8_wgrad and not fold_into_dy, col_amax_row_mult=xr.scale if fold_into_dy else None),
+            m * n * (3 + (fp8_wgrad and not fold_into_dy)),
+            "cast",
+        ),
+        ("GEMM y (fast accum)", lambda: rowwise_matmul(xr.data, xr.scale, wr.data, wr.scale, x.dtype, fast_accum=True), gemm, "gemm"),
+        ("GEMM dx", lambda: rowwise_matmul(dyr.data, dyr.scale, wt, wts, x.dtype), gemm, "gemm"),
+    ]  # fmt: skip
+    if not fp8_wgrad:
+        return [*out, ("GEMM dW bf16", lambda: dy.t() @ x, gemm, "gemm")]
+    if fold_into_dy:
+        dyt, dyts = cast_columns(dy, E4M3, row_mult=xr.scale, col_amax=dyr.col_amax)
+        ones = torch.ones(k, device=x.device)
+        return [
+            *out,
+            ("cast dy·s_x columns -> dyᵀ", lambda: cast_columns(dy, E4M3, row_mult=xr.scale, col_amax=dyr.col_amax), m * n * 3, "cast"),
+            ("GEMM dW", lambda: rowwise_matmul(dyt, dyts, xr.data_t, ones, x.dtype), gemm, "gemm"),
+        ]  # fmt: skip
+    xt, xts = cast_columns(x, E4M3, row_mult=dyr.scale)
+    ones = torch.ones(n, device=x.device)
+    return [
+        *out,
+        ("cast x·s_dy columns -> xᵀ (2 reads)", lambda: cast_columns(x, E4M3, row_mult=dyr.scale), m * k * 5, "cast"),
+        ("GEMM dW", lambda: rowwise_matmul(dyr.data_t, ones, xt, xts, x.dtype), gemm, "gemm"),
+    ]  # fmt: skip
+
+
+def mx_pieces(x, w, dy, fp8_wgrad: bool):
+    """The mxfp8 path's kernels, as linear.py runs them (1×32 MX merged to 1×128)."""
+    (m, k), n = x.shape, w.shape[0]
+    xq, wq, dyq = quantize_mx_k128(x), quantize_mx_k128(w), quantize_mx_k128(dy)
+    wtq = quantize_mx_k128(w.t().contiguous())
+    gemm = 2 * m * k * n
+    out = [
+        ("quantize x", lambda: quantize_mx_k128(x), m * k * 3, "cast"),
+        ("quantize W + Wᵀ copy", lambda: (quantize_mx_k128(w), quantize_mx_k128(w.t().contiguous())), n * k * 10, "cast"),
+        ("quantize dy", lambda: quantize_mx_k128(dy), m * n * 3, "cast"),
+        ("GEMM y", lambda: blockwise_matmul(*xq, *wq, x.dtype), gemm, "gemm"),
+        ("GEMM dx", lambda: blockwise_matmul(*dyq, *wtq, x.dtype), gemm, "gemm"),
+    ]  # fmt: skip
+    if not fp8_wgrad:
+        return [*out, ("GEMM dW bf16", lambda: dy.t() @ x, gemm, "gemm")]
+    a, b = quantize_mx_k128(dy.t().contiguous()), quantize_mx_k128(x.t().contiguous())
+    return [
+        *out,
+        ("copy+quantize dyᵀ, xᵀ", lambda: (quantize_mx_k128(dy.t().contiguous()), quantize_mx_k128(x.t().contiguous())), (m * n + m * k) * 7, "cast"),
+        ("GEMM dW", lambda: blockwise_matmul(*a, *b, x.dtype), gemm, "gemm"),
+    ]  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
-    tokens = 256 if args.smoke else 32768
-    shapes = [(1024, 4096), (4096, 1024)] if not args.smoke else [(128, 256)]
+    tokens = 128 if args.smoke else 32768
+    bench = timer(args.smoke)
+    shapes = [(128, 256), (256, 128)] if args.smoke else [(1024, 4096), (4096, 1024)]
+    quick = dict(warmup_ms=10, rep_ms=40)
     no_fallback = FallbackConfig(measure_on_gpu=False)
     variants = [
-        (
-            f"{name}, wgrad {wg}",
-            Recipe(name=name, weight_grad=WeightGradConfig(wg), fallback=no_fallback),
-        )
+        (name, wg, Recipe(name=name, weight_grad=WeightGradConfig(wg), fallback=no_fallback))
         for name in ("mxfp8", "fp8_rowwise")
         for wg in ("bf16", "fp8")
     ]
     print(common.environment())
-    rows, headline = [], {}
+    totals, pieces, headline = [], [], {}
     for k, n in shapes:
+        shape = f"{k}->{n}"
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tokens, k, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
         dy = torch.randn(tokens, n, device=device, generator=gen).to(torch.bfloat16)
@@ -57,33 +151,68 @@ def main():
         base = LowPrecisionLinear(
             k, n, bias=False, recipe=Recipe(name="bf16"), device=device, dtype=torch.bfloat16
         )
-        t_bf16 = common.bench_ms(fwd_bwd(base, x, dy))
-        rows.append(
-            [f"{k}->{n}", "bf16 F.linear (anchor)", t_bf16, common.tflops(flops, t_bf16), 1.0]
-        )
-        for label, rec in [*variants, ("default mxfp8 (measured fallback)", Recipe())]:
+        w, xd = base.weight.detach(), x.detach()
+        t_bf16 = bench(fwd_bwd(base, x, dy))
+        totals.append([shape, "bf16 F.linear (anchor)", t_bf16, common.tflops(flops, t_bf16), 1.0])
+        for label, fn in [
+            ("bf16 GEMM y", lambda xd=xd, w=w: F.linear(xd, w)),
+            ("bf16 GEMM dx", lambda dy=dy, w=w: dy @ w),
+            ("bf16 GEMM dW", lambda dy=dy, xd=xd: dy.t() @ xd),
+        ]:
+            t = bench(fn, **quick)
+            pieces.append(
+                [shape, "bf16", label, t, common.tflops(flops / 3, t), "TFLOP/s", t / t_bf16]
+            )
+        fallback_recipes = [
+            ("mxfp8 (measured fallback)", Recipe()),
+            ("fp8_rowwise wgrad fp8 (measured fallback)", Recipe(name="fp8_rowwise", weight_grad=WeightGradConfig("fp8"))),
+        ]  # fmt: skip
+        for label, rec in [*((f"{n_} wgrad {wg}", r) for n_, wg, r in variants), *fallback_recipes]:
             mod = LowPrecisionLinear(
                 k, n, bias=False, recipe=rec, device=device, dtype=torch.bfloat16
             )
             mod.weight.data.copy_(base.weight.data)
-            t = common.try_bench(fwd_bwd(mod, x, dy))
-            rows.append([f"{k}->{n}", label, t, common.tflops(flops, t), t_bf16 / t])
-            if rec.fallback.measure_on_gpu is False and rec.weight_grad.precision == "bf16":
-                headline[f"{rec.name}_{k}to{n}_speedup"] = t_bf16 / t
-            if label.startswith("fp8_rowwise, wgrad fp8"):
-                headline[f"rowwise_wfp8_{k}to{n}_speedup"] = t_bf16 / t
-        y_ref = F.linear(x.detach().float(), base.weight.detach().float())
-        mod = LowPrecisionLinear(
-            k, n, bias=False, recipe=variants[0][1], device=device, dtype=torch.bfloat16
-        )
-        mod.weight.data.copy_(base.weight.data)
-        y = mod(x.detach()).float()
-        sqnr = 10 * torch.log10(y_ref.pow(2).sum() / (y - y_ref).pow(2).sum()).item()
-        print(f"{k}->{n}: mxfp8 forward SQNR vs fp32 {sqnr:.1f} dB")
+            t = bench(fwd_bwd(mod, x, dy))
+            totals.append([shape, label, t, common.tflops(flops, t), t_bf16 / t])
+            if rec.fallback.measure_on_gpu is False:
+                headline[f"{rec.name}_wgrad_{rec.weight_grad.precision}_{k}to{n}_speedup"] = (
+                    t_bf16 / t
+                )
+                make = mx_pieces if rec.name == "mxfp8" else rowwise_pieces
+                steps = make(xd, w, dy, rec.weight_grad.precision == "fp8")
+                times = [bench(fn, **quick) for _, fn, _, _ in steps]
+                total_kernels = sum(times)
+                for (piece, _, amount, kind), tp in zip(steps, times, strict=True):
+                    rate = amount / (tp * 1e-3) / 1e12
+                    pieces.append(
+                        [
+                            shape,
+                            label,
+                            piece,
+                            tp,
+                            rate,
+                            "TB/s" if kind == "cast" else "TFLOP/s",
+                            tp / total_kernels,
+                        ]
+                    )
+                pieces.append([shape, label, "sum of kernels (vs measured total)", total_kernels, t, "ms", 1.0])  # fmt: skip
+        y_ref = F.linear(xd.float(), w.float())
+        for name in ("mxfp8", "fp8_rowwise"):
+            mod = LowPrecisionLinear(k, n, bias=False, recipe=Recipe(name=name, fallback=no_fallback), device=device, dtype=torch.bfloat16)  # fmt: skip
+            mod.weight.data.copy_(w)
+            y = mod(xd).float()
+            sqnr = 10 * torch.log10(y_ref.pow(2).sum() / (y - y_ref).pow(2).sum()).item()
+            print(f"{shape}: {name} forward SQNR vs fp32 {sqnr:.1f} dB")
+    env = common.environment()
     common.print_table(
-        f"G1 linear fwd+bwd, {tokens} tokens, {common.environment()}",
+        f"G1 linear fwd+bwd, {tokens} tokens, {env}",
         ["shape", "recipe", "ms", "TFLOP/s", "speedup vs bf16"],
-        rows,
+        totals,
+    )
+    common.print_table(
+        f"G1 breakdown: each kernel alone, {tokens} tokens (share: of the path's kernel sum; bf16 rows: of the bf16 total)",
+        ["shape", "path", "kernel", "ms", "rate", "unit", "share"],
+        pieces,
     )
     print("fallbacks:", fallback_report() or "none")
     common.record("lowprec_linear", **headline)

@@ -266,3 +266,17 @@ def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
     assert any(key[1:3] == (256, 640) and key[-1] == 2048 for key in unmeasured_keys())
     layer(x).sum().backward()
     assert [key[-1] for key in keys()] == [32768, 2048]
+
+
+def test_benchmark_smoke_runs():
+    """``bench_lowprec_linear.py --smoke``: every path of the G1 benchmark runs on the CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks/lowprec/bench_lowprec_linear.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "G1 breakdown" in done.stdout and "sum of kernels" in done.stdout

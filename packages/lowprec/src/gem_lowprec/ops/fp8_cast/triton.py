@@ -79,7 +79,7 @@ def cast_rows_kernel(
             if COL_AMAX:
                 v_RC = x_RC * mult_R[:, None]
                 v_bits_C = tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-                tl.atomic_max(col_amax_ptr + cols_C, v_bits_C, mask=cols_C < C)
+                tl.atomic_max(col_amax_ptr + cols_C, v_bits_C, mask=cols_C < C, sem="relaxed")
         # Stage 2: one power-of-two scale per row.
         byte_R = scale_byte(amax_R, EMAX_EXP, True)
         tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
@@ -119,17 +119,22 @@ def column_amax_kernel(
     C,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ROW_TILES: tl.constexpr,
     HAS_MULT: tl.constexpr,
     IN_BF16: tl.constexpr,
 ):
-    rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    """Column amax of ``x · row_mult`` over ``ROW_TILES`` row tiles, then one atomic max per
+    column (bit patterns of non-negative floats order like their values)."""
     cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
-    v_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
-    if HAS_MULT:
-        v_RC = v_RC * tl.load(row_mult_ptr + rows_R, mask=rows_R < R, other=0.0)[:, None]
-    v_bits_C = tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-    tl.atomic_max(col_amax_ptr + cols_C, v_bits_C, mask=cols_C < C)
+    amax_C = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for t in range(ROW_TILES):
+        rows_R = ((tl.program_id(0) * ROW_TILES + t) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
+        v_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+        if HAS_MULT:
+            v_RC = v_RC * tl.load(row_mult_ptr + rows_R, mask=rows_R < R, other=0.0)[:, None]
+        amax_C = tl.maximum(amax_C, tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
+    tl.atomic_max(col_amax_ptr + cols_C, amax_C, mask=cols_C < C, sem="relaxed")
 
 
 @triton.jit
@@ -180,10 +185,13 @@ def cast_columns_kernel(
         tl.store(scale_ptr + cols_C, scale_float(byte_C), mask=col_ok_C)
 
 
-# Rows kernel: [16, 512] chunks (16 KiB of bf16 per load), 8 warps; a persistent grid of
-# 2 programs per SM keeps a wave's rows (2 · SMs · 16 · C · 2 bytes, 33 MiB at C = 4096) in L2.
+# Rows kernel: [16, 512] chunks (16 KiB of bf16 per load), 8 warps, a persistent grid sized so
+# that the rows of one wave of programs (programs · 16 · C · bytes) fit in 32 MiB of the 50 MiB
+# L2, from which stage 3 re-reads them: 256 programs at C = 4096, 1024 at C = 1024 (bf16).
 _ROWS_BLOCK = {"BLOCK_R": 16, "BLOCK_C": 512}
+_L2_WAVE_BYTES = 32 << 20
 _TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
+_AMAX_ROW_TILES = 8  # column amax: 512 rows per program, one atomic per column and program
 # Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
 _INTERPRETER_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 64}
 
@@ -223,7 +231,8 @@ def cast_rows(
         n_row_blocks = triton.cdiv(R, blocks["BLOCK_R"])
         if x.is_cuda and not INTERPRETING:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            grid = (min(n_row_blocks, 2 * sms),)
+            wave = _L2_WAVE_BYTES // (blocks["BLOCK_R"] * C * x.element_size())
+            grid = (min(n_row_blocks, max(wave, sms)),)
             launch = dict(num_warps=8)
         else:
             grid, launch = (n_row_blocks,), {}
@@ -247,11 +256,13 @@ def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
     if R and C:
         in_bf16 = x.dtype == torch.bfloat16
         blocks = _blocks(x, _TILE_BLOCK)
-        grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
+        row_tiles = _AMAX_ROW_TILES if x.is_cuda and not INTERPRETING else 1
+        grid = (triton.cdiv(R, blocks["BLOCK_R"] * row_tiles), triton.cdiv(C, blocks["BLOCK_C"]))
         column_amax_kernel[grid](
             x.view(torch.int16) if in_bf16 else x,
             col_amax if row_mult is None else row_mult,
-            col_amax, R, C, HAS_MULT=row_mult is not None, IN_BF16=in_bf16, **blocks,
+            col_amax, R, C, ROW_TILES=row_tiles, HAS_MULT=row_mult is not None, IN_BF16=in_bf16,
+            **blocks,
         )  # fmt: skip
     return col_amax.view(torch.float32)
 
