@@ -12,8 +12,10 @@ forward + backward, this script reports per step:
 
 for the public op (input checks, custom-op dispatch, autograd, launchers) and for the launchers
 called directly (``launcher``: what remains without checks and dispatch). Then the CPU ops
-that cost the most in the public forward + backward step and the kernels that ran. ``--smoke``
-runs tiny sizes on the CPU (Triton interpreter; the numbers mean nothing there).
+that cost the most in the public forward + backward step and the kernels that ran. As a check
+that fast is also right on these shapes, ``rel err`` is the worst of ``‖x − ref‖ / ‖ref‖`` over
+the output and the three gradients, against the PyTorch reference run in fp32 on the same
+inputs. ``--smoke`` runs tiny sizes on the CPU (Triton interpreter; the numbers mean nothing).
 """
 
 import argparse
@@ -87,8 +89,8 @@ def gdpa_steps(w, q, k, v, do, device):
     )  # fmt: skip
     q_launch = kv_off if q_off is None else q_off
 
-    def public(q, k, v):
-        return gdpa(q, k, v, q_off, kv_arg, causal=w.causal, broadcast_q=w.pma, backend="triton")
+    def public(q, k, v, backend="triton"):
+        return gdpa(q, k, v, q_off, kv_arg, causal=w.causal, broadcast_q=w.pma, backend=backend)
 
     def launcher_fwd():
         return gdpa_kernels.gdpa_forward(q, k, v, q_launch, kv_off, **launch)
@@ -103,9 +105,9 @@ def gdpa_steps(w, q, k, v, do, device):
 def block_steps(q, k, v, do, offsets, block):
     options = dict(block_size=block, causal=True, rope_theta=THETA, scale=q.shape[-1] ** -0.5)
 
-    def public(q, k, v):
+    def public(q, k, v, backend="triton"):
         return block_attention(
-            q, k, v, offsets, block_size=block, causal=True, rope_theta=THETA, backend="triton"
+            q, k, v, offsets, block_size=block, causal=True, rope_theta=THETA, backend=backend
         )
 
     def launcher_fwd():
@@ -128,6 +130,21 @@ def public_step(fn, q, k, v, do, backward):
             fn(*leaves)
 
     return forward
+
+
+def worst_relative_error(public, q, k, v, do) -> float:
+    """Worst ``‖x − ref‖ / ‖ref‖`` over out, dq, dk, dv; the reference runs in fp32."""
+
+    def outputs(dtype, backend):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = public(*leaves, backend=backend)
+        return [out, *torch.autograd.grad(out, leaves, do.to(dtype))]
+
+    got, ref = outputs(q.dtype, "triton"), outputs(torch.float32, "reference")
+    return max(
+        float((g.float() - r).norm() / r.norm().clamp_min(1e-30))
+        for g, r in zip(got, ref, strict=True)
+    )
 
 
 def run(smoke: bool) -> None:
@@ -159,7 +176,10 @@ def run(smoke: bool) -> None:
             for what, step in steps.items():
                 host, wall = host_and_wall_us(step, calls)
                 device_us, averages = profile(step, calls)
-                rows.append([name, label, what, host, device_us, wall])
+                error = float("nan")
+                if backward and what == "public op":
+                    error = worst_relative_error(public, *inputs)
+                rows.append([name, label, what, host, device_us, wall, error])
                 common.record(
                     "attention_host", workload=f"{name} {label} {what}", host_us=host,
                     device_us=device_us, wall_us=wall,
@@ -168,7 +188,7 @@ def run(smoke: bool) -> None:
                     details.append((name, averages))
     common.print_table(
         f"host vs device per step (us), {common.environment()}",
-        ["workload", "pass", "what", "host us", "device us", "wall us"],
+        ["workload", "pass", "what", "host us", "device us", "wall us", "rel err"],
         rows,
     )
     for name, averages in details:

@@ -60,7 +60,7 @@ def activation_code(activation: str, dtype: torch.dtype, device: torch.device) -
 @triton.jit
 def _tanh_approx(x):
     return tl.inline_asm_elementwise(
-        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
     )
 
 

@@ -134,9 +134,10 @@ def _gdpa_bwd_dkdv_seq_kernel(
         # Query rows [q_lo, q_mid) cross the causal diagonal; from q_mid on the tile is seen whole.
         q_lo = 0
         q_mid = 0
-        if CAUSAL:
-            if kv_len > BLOCK_N:  # rows above the diagonal see nothing (the dQ kernel's rows)
-                q_lo = tl.minimum(tl.maximum(k_start - diag, 0) // BLOCK_M * BLOCK_M, q_len)
+        if CAUSAL:  # rows above the diagonal see nothing: skipped unless this writes their dQ
+            q_lo = tl.minimum(tl.maximum(k_start - diag, 0) // BLOCK_M * BLOCK_M, q_len)
+            if not BROADCAST_Q:
+                q_lo = tl.where(dq_here, 0, q_lo)
             first_full = tl.maximum(k_start + BLOCK_N - 1 - diag - q_lo, 0)
             q_mid = tl.minimum(q_lo + (first_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
         q_hi = q_len
