@@ -58,19 +58,22 @@ CANDIDATES = 64  # J3: keys per sample
 QUICK_FLEX = ("J1", "J2")  # --quick: the workloads whose goals name FlexAttention
 
 
-def workloads(smoke: bool) -> list[Workload]:
+def workloads(smoke: bool, only: tuple[str, ...] = ()) -> list[Workload]:
+    """J1, J2, J3 (tiny stand-ins for J1 and J3 with ``smoke``); ``only`` keeps those named."""
     if smoke:
         lengths = np.array([5, 20, 0, 9])
-        return [
+        found = [
             Workload("J1", lengths, lengths, True),
             Workload("J3", lengths, np.full(4, 8), False),
         ]
-    j1, j2 = common.workload_lengths("J1"), common.workload_lengths("J2")
-    return [
-        Workload("J1", j1, j1, True),
-        Workload("J2", j2, j2, True),
-        Workload("J3", j1, np.full(len(j1), CANDIDATES), False),
-    ]
+    else:
+        j1, j2 = common.workload_lengths("J1"), common.workload_lengths("J2")
+        found = [
+            Workload("J1", j1, j1, True),
+            Workload("J2", j2, j2, True),
+            Workload("J3", j1, np.full(len(j1), CANDIDATES), False),
+        ]
+    return [w for w in found if not only or w.name in only]
 
 
 def project_fn(w, q, k, v, device):
@@ -105,12 +108,12 @@ def nested_fn(w, device):
 ANCHORS = ("flex", "padded", "nested")
 
 
-def run(smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False) -> None:
+def run(smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False, only=()) -> None:
     device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
     bench, anchor_bench = ab.benches(smoke, quick=quick)
     print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}")
     rows, headline = [], {}
-    for w in workloads(smoke):
+    for w in workloads(smoke, only):
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         project = project_fn(w, q, k, v, device)
         fns = {"project": (project, (q, k, v, do))}
@@ -170,9 +173,9 @@ def run(smoke: bool, sweep: bool, project_only: bool = False, quick: bool = Fals
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
     if device == "cuda":
-        run_host_cost(dtype)
+        run_host_cost(dtype, only)
     if sweep and device == "cuda":
-        run_sweep(dtype)
+        run_sweep(dtype, only)
 
 
 def _step(fn, q, k, v, do, backward):
@@ -199,12 +202,12 @@ def host_us(step, calls: int = 30) -> float:
     return elapsed / calls * 1e6
 
 
-def run_host_cost(dtype) -> None:
+def run_host_cost(dtype, only=()) -> None:
     """Host cost per call against device time, this version and the custom op rebuilding lists."""
     from gem_jagged import _worklist
 
     rows = []
-    for w in workloads(False):
+    for w in workloads(False, only):
         q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
         public = project_fn(w, q, k, v, "cuda")
         q_off = common.offsets_of(w.q_lengths, "cuda")
@@ -236,39 +239,50 @@ def run_host_cost(dtype) -> None:
     )  # fmt: skip
 
 
-def _sweep_variants(base):
+def _sweep_variants(base, workload: str):
     r = dataclasses.replace
-    return {
+    variants = {
         "default": base,
-        "dkdv m32 w4 s3": r(base, dkdv_block_m=32, dkdv_warps=4),
-        "dkdv m32 w8 s3": r(base, dkdv_block_m=32),
+        "dkdv m32": r(base, dkdv_block_m=32),
+        "dkdv n64": r(base, dkdv_block_n=64),
         "dkdv s2": r(base, dkdv_stages=2),
-        "dq n32 w8 s2": r(base, dq_block_n=32),
+        "dq n32": r(base, dq_block_n=32),
         "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
-        "dkdv n64 w4 (J3)": r(base, dkdv_block_n=64, dkdv_warps=4),
+        "fwd n128 s3": r(base, fwd_block_n=128),
     }
+    if workload == "J3":  # the short-keys table (64-key dK/dV tiles): against 128, and 4 warps
+        del variants["dkdv n64"], variants["fwd n128 s3"]
+        variants |= {
+            "dkdv n128": r(base, dkdv_block_n=128),
+            "fwd w4 dq w4": r(base, fwd_warps=4, dq_warps=4),
+        }
+    return variants
 
 
-def run_sweep(dtype) -> None:
+def _sweep_bench(fn) -> float:
+    return common.bench_ms(fn, warmup_ms=10, rep_ms=50)
+
+
+def run_sweep(dtype, only=()) -> None:
     """Device time (graph replay) of kernel configurations of the project (J1, J2, J3)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 
-    base = jfa_triton._GPU_CONFIGS[HEAD_DIM]
     rows = []
-    for w in workloads(False):
+    for w in workloads(False, only):
         q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
         flops_f, flops_b = (
             common.attention_flops(w.pairs(), heads=HEADS, head_dim=HEAD_DIM, backward=b)
             for b in (False, True)
         )
         fn = project_fn(w, q, k, v, "cuda")
-        for name, cfg in _sweep_variants(base).items():
-            if "(J3)" in name and w.name != "J3":
-                continue
-            jfa_triton._GPU_CONFIGS[HEAD_DIM] = cfg
+        short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
+        table = jfa_triton._GPU_CONFIGS_SHORT_KEYS if short else jfa_triton._GPU_CONFIGS
+        base = table[HEAD_DIM]
+        for name, cfg in _sweep_variants(base, w.name).items():
+            table[HEAD_DIM] = cfg
             try:
                 t_f, t_b = (
-                    ab.timed(fn, q, k, v, do, backward=b, bench=common.bench_ms, graph=True)
+                    ab.timed(fn, q, k, v, do, backward=b, bench=_sweep_bench, graph=True)
                     for b in (False, True)
                 )
             except Exception as exc:  # a config that does not compile must not stop the sweep
@@ -278,7 +292,7 @@ def run_sweep(dtype) -> None:
                 [w.name, name, t_f, common.tflops(flops_f, t_f), t_b - t_f, t_b,
                  common.tflops(flops_b, t_b)]
             )  # fmt: skip
-        jfa_triton._GPU_CONFIGS[HEAD_DIM] = base
+        table[HEAD_DIM] = base
         print_kernel_profile(w.name, fn, q, k, v, do)
     common.print_table(
         "kernel config sweep (device time: CUDA-graph replays of the public function)",
@@ -314,5 +328,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--quick", action="store_true", help="only the rows the goals name (< 1 min on an H200)"
     )
+    parser.add_argument(
+        "--only", default="", help="comma-separated workloads to run (default: all), e.g. J1,J3"
+    )
     args = parser.parse_args()
-    run(args.smoke, args.sweep, args.project_only, args.quick)
+    only = tuple(name for name in args.only.split(",") if name)
+    run(args.smoke, args.sweep, args.project_only, args.quick, only)

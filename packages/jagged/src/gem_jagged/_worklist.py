@@ -188,7 +188,8 @@ def _tile_slots_kernel(
     tl.store(out_W + 4 * num_slots, splits_W.to(tl.int32), mask=in_range_W)
     tl.store(out_W + 5 * num_slots, chunk_W.to(tl.int32), mask=in_range_W)
     tl.store(out_W + 6 * num_slots, rows_W.to(tl.int32), mask=in_range_W)
-    tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1), mask=in_range_W)
+    cost_W_ = tl.minimum(cost_W_, 2147483647)  # int32 keys sort in half the radix passes
+    tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1).to(tl.int32), mask=in_range_W)
 
 
 @triton.jit
@@ -218,13 +219,14 @@ def _split_slots_kernel(
     tl.store(out_W + 2 * num_slots, chunk_lo_W.to(tl.int32), mask=in_range_W)
     tl.store(out_W + 3 * num_slots, chunk_hi_W.to(tl.int32), mask=in_range_W)
     tl.store(out_W + 4 * num_slots, splits_W.to(tl.int32), mask=in_range_W)
-    tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1), mask=in_range_W)
+    cost_W_ = tl.minimum(cost_W_, 2147483647)  # int32 keys sort in half the radix passes
+    tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1).to(tl.int32), mask=in_range_W)
 
 
 def _launch_slots(kernel, inputs, scalars, *, num_slots, num_fields, device, **constexprs):
-    """Run a slot kernel: ``kernel(*inputs, fields [F, W] int32, cost [W] int64, *scalars)``."""
+    """Run a slot kernel: ``kernel(*inputs, fields [F, W] int32, cost [W] int32, *scalars)``."""
     fields_FW = torch.empty(num_fields, num_slots, dtype=torch.int32, device=device)
-    cost_W = torch.empty(num_slots, dtype=torch.int64, device=device)
+    cost_W = torch.empty(num_slots, dtype=torch.int32, device=device)
     grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
     kernel[grid](*inputs, fields_FW, cost_W, *scalars, SLOTS=_SLOTS_PER_PROGRAM, **constexprs)
     return fields_FW, cost_W

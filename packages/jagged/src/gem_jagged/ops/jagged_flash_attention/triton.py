@@ -41,6 +41,7 @@ backward, and the dK/dV split (with its float32 scratch and finishing kernel) is
 the longest sequence would otherwise be the tail of the launch (``dkdv_splits``).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -87,13 +88,28 @@ _GPU_CONFIGS_FP32 = {
     128: JaggedAttentionConfig(64, 32, 4, 2, 32, 32, 4, 2, 64, 32, 4, 2, 1024, 4),
 }
 
+# bf16 / fp16 when the sequences average at most SHORT_KEYS keys (candidates, J3): a dK/dV
+# program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile.
+# Only dK/dV changes: the forward and dQ share one query tile height (and work list) with the
+# table above.
+SHORT_KEYS = 64
+_GPU_CONFIGS_SHORT_KEYS = {
+    hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()
+}
 
-def config_for(head_dim: int, device: torch.device, dtype: torch.dtype) -> JaggedAttentionConfig:
-    """The tile shapes for one head dim and element size (every tile 16 under the interpreter)."""
+
+def config_for(
+    head_dim: int, device: torch.device, dtype: torch.dtype, *, keys_per_seq: float | None = None
+) -> JaggedAttentionConfig:
+    """The tile shapes for one head dim and element size (every tile 16 under the interpreter);
+    ``keys_per_seq`` (``Tk / B``, host-known) picks the short-keys table for bf16/fp16."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    table = _GPU_CONFIGS_FP32 if dtype.itemsize > 2 else _GPU_CONFIGS
-    return table[head_dim]
+    if dtype.itemsize > 2:
+        return _GPU_CONFIGS_FP32[head_dim]
+    if keys_per_seq is not None and keys_per_seq <= SHORT_KEYS:
+        return _GPU_CONFIGS_SHORT_KEYS[head_dim]
+    return _GPU_CONFIGS[head_dim]
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -619,11 +635,12 @@ def backward_dkdv(
 ):
     """dK and dV (contiguous inputs) from the key-tile work list, long query ranges split."""
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device, q.dtype)
+    num_seqs = q_offsets.shape[0] - 1
+    cfg = config_for(head_dim, q.device, q.dtype, keys_per_seq=k.shape[0] / max(num_seqs, 1))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
     max_splits = dkdv_splits(
-        cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=q_offsets.shape[0] - 1,
+        cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=num_seqs,
         num_heads=num_heads, longest_q=longest_q, causal=causal, device=q.device,
     )  # fmt: skip
     kwork = key_tiles(
