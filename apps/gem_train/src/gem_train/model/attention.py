@@ -119,9 +119,11 @@ class HistorySelfAttention(nn.Module):
         """SDPA on the batch padded to its longest history, with the causal + relative-bias mask.
 
         The call is split over samples and heads so that no call spans more than
-        ``SDPA_CALL_ELEMENTS`` score entries: the memory-efficient kernel (the fused one that
-        takes a float mask) gives the mask a gradient per sample and head, ``[B, N, L, L]``,
-        indexed with 32-bit offsets, which a gem-small batch (80 × 8 × 8704²) overflows.
+        ``SDPA_CALL_ELEMENTS`` score entries. The memory-efficient kernel (the fused one that
+        takes a float mask) materialises the mask's gradient per sample and head,
+        ``[B, N, L, L]``: 97 GB for one gem-small batch (80 × 8 × 8704²) in a single call, which
+        died on the H200 with an illegal memory access; a call of 4 × 8 × 8704² ran clean there,
+        and the split keeps every call under 2 GiB of mask gradient.
         """
         length = -(-max_len // 16) * 16  # fused kernels want 16-element-aligned mask rows
         if length == 0:
