@@ -147,6 +147,8 @@ def test_cached_lists_are_reused_per_offsets_and_rebuilt_after_in_place_change()
     rebuilt = query_tiles(off, total_q=60, block=16, causal=True, cache=True)
     assert rebuilt is not first
     assert _items(rebuilt)[0] == _expected_query_tiles([3, 40, 17], [3, 40, 17], 16, True)
+    with torch.inference_mode():  # lists built there could not be saved for a backward pass
+        assert query_tiles(off, total_q=60, block=16, causal=True, cache=True) is not rebuilt
     size = len(_worklist._CACHE)
     del off, first, rebuilt, keys
     assert len(_worklist._CACHE) < size  # entries of a dead offsets tensor are dropped

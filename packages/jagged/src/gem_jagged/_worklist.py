@@ -264,7 +264,9 @@ def clear_cache() -> None:
 
 
 def _cacheable(*offsets: torch.Tensor) -> bool:
-    if any(t.is_inference() for t in offsets):  # inference tensors track no version
+    # Inference tensors track no version, and a list built under inference mode could not be
+    # saved for a later backward pass.
+    if torch.is_inference_mode_enabled() or any(t.is_inference() for t in offsets):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
