@@ -29,6 +29,7 @@ from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa
 from gem_lowprec.scaled_matmul import (  # noqa: E402
     blockwise_matmul,
     quantize_mx_k128,
+    quantize_mx_k128_rowcol,
     rowwise_matmul,
 )
 
@@ -105,24 +106,28 @@ def rowwise_pieces(x, w, dy, fp8_wgrad: bool):
 def mx_pieces(x, w, dy, fp8_wgrad: bool):
     """The mxfp8 path's kernels, as linear.py runs them (1×32 MX merged to 1×128)."""
     (m, k), n = x.shape, w.shape[0]
-    xq, wq, dyq = quantize_mx_k128(x), quantize_mx_k128(w), quantize_mx_k128(dy)
-    wtq = quantize_mx_k128(w.t().contiguous())
+    wq, (wtq, wts) = quantize_mx_k128_rowcol(w)
     gemm = 2 * m * k * n
-    out = [
-        ("quantize x", lambda: quantize_mx_k128(x), m * k * 3, "cast"),
-        ("quantize W + Wᵀ copy", lambda: (quantize_mx_k128(w), quantize_mx_k128(w.t().contiguous())), n * k * 10, "cast"),
-        ("quantize dy", lambda: quantize_mx_k128(dy), m * n * 3, "cast"),
-        ("GEMM y", lambda: blockwise_matmul(*xq, *wq, x.dtype), gemm, "gemm"),
-        ("GEMM dx", lambda: blockwise_matmul(*dyq, *wtq, x.dtype), gemm, "gemm"),
-    ]  # fmt: skip
+    w_piece = ("quantize W both ways", lambda: quantize_mx_k128_rowcol(w), n * k * 4, "cast")
     if not fp8_wgrad:
-        return [*out, ("GEMM dW bf16", lambda: dy.t() @ x, gemm, "gemm")]
-    a, b = quantize_mx_k128(dy.t().contiguous()), quantize_mx_k128(x.t().contiguous())
+        xq, dyq = quantize_mx_k128(x), quantize_mx_k128(dy)
+        return [
+            ("quantize x", lambda: quantize_mx_k128(x), m * k * 3, "cast"),
+            w_piece,
+            ("quantize dy", lambda: quantize_mx_k128(dy), m * n * 3, "cast"),
+            ("GEMM y", lambda: blockwise_matmul(*xq, *wq, x.dtype), gemm, "gemm"),
+            ("GEMM dx", lambda: blockwise_matmul(*dyq, wtq, wts, x.dtype), gemm, "gemm"),
+            ("GEMM dW bf16", lambda: dy.t() @ x, gemm, "gemm"),
+        ]
+    (xq, xtq), (dyq, dytq) = quantize_mx_k128_rowcol(x), quantize_mx_k128_rowcol(dy)
     return [
-        *out,
-        ("copy+quantize dyᵀ, xᵀ", lambda: (quantize_mx_k128(dy.t().contiguous()), quantize_mx_k128(x.t().contiguous())), (m * n + m * k) * 7, "cast"),
-        ("GEMM dW", lambda: blockwise_matmul(*a, *b, x.dtype), gemm, "gemm"),
-    ]  # fmt: skip
+        ("quantize x both ways", lambda: quantize_mx_k128_rowcol(x), m * k * 4, "cast"),
+        w_piece,
+        ("quantize dy both ways", lambda: quantize_mx_k128_rowcol(dy), m * n * 4, "cast"),
+        ("GEMM y", lambda: blockwise_matmul(*xq, *wq, x.dtype), gemm, "gemm"),
+        ("GEMM dx", lambda: blockwise_matmul(*dyq, wtq, wts, x.dtype), gemm, "gemm"),
+        ("GEMM dW", lambda: blockwise_matmul(*dytq, *xtq, x.dtype), gemm, "gemm"),
+    ]
 
 
 def main():

@@ -1,10 +1,12 @@
-"""The fp8 row-wise / column-wise casts of the fp8_rowwise linear: Triton (the interpreter on the
-CPU, the hardware cast on a GPU) against the integer reference, bit for bit."""
+"""The casts of the low-precision linear: the fp8 row-wise / column-wise casts of fp8_rowwise and
+the both-ways MX quantize + 1×128 merge of mxfp8; Triton (the interpreter on the CPU, the
+hardware cast on a GPU) against the reference, bit for bit."""
 
 import pytest
 import torch
 from gem_lowprec.formats import E4M3
 from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows, reference
+from gem_lowprec.scaled_matmul import quantize_mx_k128_rowcol
 from gem_lowprec.testing import every_pattern_matrix, special_matrix
 
 ELEMS = pytest.mark.parametrize(
@@ -91,3 +93,40 @@ def test_bad_inputs_are_named():
 @ELEMS
 def test_gpu_casts_match_reference_bit_for_bit(elem):
     _check_all(elem, "cuda", "auto")
+
+
+def _rowcol_inputs():
+    every = every_pattern_matrix().reshape(-1, 128)  # 1020 rows: pad to a multiple of 128
+    every = torch.cat([every, torch.zeros(1024 - every.shape[0], 128, dtype=every.dtype)])
+    sp = special_matrix()
+    sp = torch.cat([torch.cat([sp, sp.flip(0)]), torch.cat([sp.flip(1), sp * 3])], dim=1)
+    return [every, sp, torch.randn(256, 384, generator=torch.Generator().manual_seed(5))]
+
+
+def _check_rowcol(elem, device: str, backend: str) -> None:
+    for scale_mode in ("rceil", "floor"):
+        for x in _rowcol_inputs():
+            got = quantize_mx_k128_rowcol(
+                x.to(device), elem, scale_mode=scale_mode, backend=backend
+            )
+            want = quantize_mx_k128_rowcol(x, elem, scale_mode=scale_mode, backend="reference")
+            for g, w in zip(got, want, strict=True):
+                _assert_same(g, w)
+
+
+@ELEMS
+def test_triton_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
+    """Both 1×128-merged MX copies from one read equal merge_k128(to_mx(x)) and
+    merge_k128(to_mx(xᵀ)) on every finite bf16 pattern (sorted and shuffled), specials, floats."""
+    _check_rowcol(elem, "cpu", "triton")
+
+
+def test_mx_rowcol_k128_refuses_unaligned_shapes():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_mx_k128_rowcol(torch.zeros(128, 96))
+
+
+@pytest.mark.gpu
+@ELEMS
+def test_gpu_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
+    _check_rowcol(elem, "cuda", "auto")

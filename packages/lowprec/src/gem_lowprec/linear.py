@@ -20,9 +20,10 @@ per column. The row-cast bytes of dy serve both dx and dW (one read of dy writes
 and transposed). Which operand takes the fold is chosen by size: when K > N the roles swap (x's
 per-token scale from the forward folds into dy, and the forward saves xᵀ in fp8 instead of x).
 
-``mxfp8``: every operand goes through ``quantize_mx_k128`` (MX quantization along the
-contraction dim merged into 1×128 blocks), then the blockwise fp8 GEMM; W's column-wise copy is
-made in the forward and kept.
+``mxfp8``: every operand is MX-quantized along its contraction dim and merged into 1×128 blocks
+(``quantize_mx_k128``), then the blockwise fp8 GEMM. W is quantized along both dims by one
+kernel (``quantize_mx_k128_rowcol``) in the forward and Wᵀ kept for dx; with an fp8
+weight-gradient x and dy are too (the forward keeps xᵀ in fp8 instead of x).
 
 Fallback: a shape the fp8 path cannot take (K or N not a multiple of 128 for mxfp8, of 16 for
 rowwise; tokens not a multiple of 16) runs in BF16. On a GPU, fp8 is also timed against BF16
@@ -43,7 +44,12 @@ from torch import nn
 from gem_lowprec.hadamard import random_hadamard
 from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows
 from gem_lowprec.recipes import Recipe
-from gem_lowprec.scaled_matmul import blockwise_matmul, quantize_mx_k128, rowwise_matmul
+from gem_lowprec.scaled_matmul import (
+    blockwise_matmul,
+    quantize_mx_k128,
+    quantize_mx_k128_rowcol,
+    rowwise_matmul,
+)
 
 _MEASURED: dict[tuple, tuple[bool, str]] = {}  # (recipe, K, N, dtype, M bucket) -> (fp8?, why)
 _FALLBACKS: dict[tuple, str] = {}  # (recipe name, M bucket, K, N, dtype) -> why
@@ -143,38 +149,48 @@ class _RowwiseMatmul(torch.autograd.Function):
 
 
 class _MXMatmul(torch.autograd.Function):
-    """mxfp8: MX 1×32 along each contraction dim, merged to 1×128 blocks."""
+    """mxfp8: MX 1×32 along each contraction dim, merged to 1×128 blocks. W (and, for an fp8
+    weight-gradient, x and dy) are quantized along both dims by one kernel that reads them once."""
 
     @staticmethod
     def forward(ctx, x, w, recipe: Recipe, out_dtype: torch.dtype):
         q = recipe.quant
         mx = dict(scale_mode=q.scale_mode)
-        x_k128 = quantize_mx_k128(x, q.elem_dtype, **mx)
-        w_k128 = quantize_mx_k128(w, q.elem_dtype, **mx)
+        fp8_wgrad = _fp8_weight_grad(recipe, x.shape[0])
+        both_ways = fp8_wgrad and recipe.weight_grad.hadamard_block is None
+        if both_ways:  # xᵀ in fp8 is all the weight-gradient needs: x is not kept
+            x_k128, (xt, xt_scale) = quantize_mx_k128_rowcol(x, q.elem_dtype, **mx)
+            saved_x = (xt, xt_scale)
+        else:
+            x_k128, saved_x = quantize_mx_k128(x, q.elem_dtype, **mx), (x,)
+        # W [N, K] along K for y, Wᵀ [K, N] along N for dx
+        w_k128, (wt, wt_scale) = quantize_mx_k128_rowcol(w, q.elem_dtype, **mx)
         y = blockwise_matmul(*x_k128, *w_k128, out_dtype)
-        # Wᵀ [K, N] with blocks along N: the column-wise MX copy of W, merged along N
-        wt, wt_scale = quantize_mx_k128(w.t().contiguous(), q.elem_dtype, **mx)
         ctx.recipe, ctx.out_dtype, ctx.w_dtype = recipe, out_dtype, w.dtype
-        ctx.fp8_wgrad = _fp8_weight_grad(recipe, x.shape[0])
-        ctx.save_for_backward(x, wt, wt_scale)
+        ctx.fp8_wgrad, ctx.both_ways = fp8_wgrad, both_ways
+        ctx.save_for_backward(wt, wt_scale, *saved_x)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wt, wt_scale = ctx.saved_tensors
+        wt, wt_scale, *saved_x = ctx.saved_tensors
         recipe, q = ctx.recipe, ctx.recipe.quant
         mx = dict(scale_mode=q.scale_mode)
         dy = dy.contiguous()
+        if ctx.both_ways:
+            dy_k128, dyt_k128 = quantize_mx_k128_rowcol(dy, q.grad_elem_dtype, **mx)
+            dx = blockwise_matmul(*dy_k128, wt, wt_scale, ctx.out_dtype)
+            dw = blockwise_matmul(*dyt_k128, *saved_x, dy.dtype)
+            return dx, dw.to(ctx.w_dtype), None, None
         dy_k128 = quantize_mx_k128(dy, q.grad_elem_dtype, **mx)
         dx = blockwise_matmul(*dy_k128, wt, wt_scale, ctx.out_dtype)
+        (x,) = saved_x
         if not ctx.fp8_wgrad:
             return dx, (dy.t() @ x.to(dy.dtype)).to(ctx.w_dtype), None, None
-        dy_t, x_t = dy.t(), x.t()  # [N, M], [K, M]: contraction along tokens
-        block = recipe.weight_grad.hadamard_block
-        if block is not None:
-            seed = int(torch.randint(0, 2**31 - 1, ()).item())
-            dy_t = random_hadamard(dy_t, block_size=block, seed=seed).to(dy.dtype)
-            x_t = random_hadamard(x_t, block_size=block, seed=seed).to(x.dtype)
+        block = recipe.weight_grad.hadamard_block  # rotate both along tokens, then quantize
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        dy_t = random_hadamard(dy.t(), block_size=block, seed=seed).to(dy.dtype)
+        x_t = random_hadamard(x.t(), block_size=block, seed=seed).to(x.dtype)
         a = quantize_mx_k128(dy_t.contiguous(), q.grad_elem_dtype, **mx)
         b = quantize_mx_k128(x_t.contiguous(), q.elem_dtype, **mx)
         return dx, blockwise_matmul(*a, *b, dy.dtype).to(ctx.w_dtype), None, None

@@ -69,6 +69,33 @@ def quantize_mx_k128(
     return merge_k128(to_mx(x, elem_dtype=elem_dtype, scale_mode=scale_mode, backend=backend))
 
 
+def quantize_mx_k128_rowcol(
+    x: torch.Tensor,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    scale_mode: str = "rceil",
+    backend: str = "auto",
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(quantize_mx_k128(x), quantize_mx_k128(xᵀ))`` for a 2-D ``x`` whose dims are multiples
+    of 128: the operands of a GEMM contracting over x's columns and of one contracting over its
+    rows. On a GPU one kernel reads x once and writes both (no transposed BF16 copy)."""
+    from gem_lowprec.formats import elem_format, resolve_backend
+    from gem_lowprec.ops.mx_quantize import to_mx
+
+    if x.dim() != 2 or x.shape[0] % 128 or x.shape[1] % 128:
+        raise ValueError(f"x must be 2-D with both dims multiples of 128, got {tuple(x.shape)}")
+    if resolve_backend(backend, x.device) == "triton":
+        from gem_lowprec.ops.fp8_cast import triton as kernels
+
+        fmt = elem_format(elem_dtype)
+        data, scale, data_t, scale_t = kernels.mx_rowcol_k128(
+            x.contiguous(), fmt, scale_mode=scale_mode
+        )
+        return (data.view(elem_dtype), scale), (data_t.view(elem_dtype), scale_t)
+    mx = dict(elem_dtype=elem_dtype, scale_mode=scale_mode, backend=backend)
+    return merge_k128(to_mx(x, **mx)), merge_k128(to_mx(x.t().contiguous(), **mx))
+
+
 def _expand_k(scale: torch.Tensor, block: int) -> torch.Tensor:
     return scale.repeat_interleave(block, dim=-1)
 
@@ -79,8 +106,9 @@ def blockwise_matmul(a_data, a_scale, b_data, b_scale, out_dtype) -> torch.Tenso
         return torch._scaled_mm(
             a_data,
             b_data.t(),
-            scale_a=a_scale.t().contiguous().t(),  # M-major, as cuBLAS wants for 1x128
-            scale_b=b_scale.t().contiguous(),  # [K/128, N]
+            # outer-dim-major, as cuBLAS wants for 1x128: no copy when already stored so
+            scale_a=a_scale.t().contiguous().t(),  # [M, K/128], strides (1, M)
+            scale_b=b_scale.t().contiguous(),  # [K/128, N], strides (N, 1)
             out_dtype=out_dtype,
         )
     a = a_data.to(torch.float32) * _expand_k(a_scale, 128)
