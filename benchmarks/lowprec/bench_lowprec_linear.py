@@ -50,6 +50,14 @@ def timer(smoke: bool):
     return once
 
 
+def emit(table: list, row: list) -> None:
+    """Keep the row for the final table and print it now (a cut-short run still reports)."""
+    table.append(row)
+    print(
+        "  " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row), flush=True
+    )
+
+
 def fwd_bwd(module, x, dy):
     def step():
         x.grad = None
@@ -158,15 +166,16 @@ def main():
         )
         w, xd = base.weight.detach(), x.detach()
         t_bf16 = bench(fwd_bwd(base, x, dy))
-        totals.append([shape, "bf16 F.linear (anchor)", t_bf16, common.tflops(flops, t_bf16), 1.0])
+        emit(totals, [shape, "bf16 F.linear (anchor)", t_bf16, common.tflops(flops, t_bf16), 1.0])
         for label, fn in [
             ("bf16 GEMM y", lambda xd=xd, w=w: F.linear(xd, w)),
             ("bf16 GEMM dx", lambda dy=dy, w=w: dy @ w),
             ("bf16 GEMM dW", lambda dy=dy, xd=xd: dy.t() @ xd),
         ]:
             t = bench(fn, **quick)
-            pieces.append(
-                [shape, "bf16", label, t, common.tflops(flops / 3, t), "TFLOP/s", t / t_bf16]
+            emit(
+                pieces,
+                [shape, "bf16", label, t, common.tflops(flops / 3, t), "TFLOP/s", t / t_bf16],
             )
         fallback_recipes = [
             ("mxfp8 (measured fallback)", Recipe()),
@@ -178,7 +187,7 @@ def main():
             )
             mod.weight.data.copy_(base.weight.data)
             t = bench(fwd_bwd(mod, x, dy))
-            totals.append([shape, label, t, common.tflops(flops, t), t_bf16 / t])
+            emit(totals, [shape, label, t, common.tflops(flops, t), t_bf16 / t])
             if rec.fallback.measure_on_gpu is False:
                 headline[f"{rec.name}_wgrad_{rec.weight_grad.precision}_{k}to{n}_speedup"] = (
                     t_bf16 / t
@@ -189,7 +198,8 @@ def main():
                 total_kernels = sum(times)
                 for (piece, _, amount, kind), tp in zip(steps, times, strict=True):
                     rate = amount / (tp * 1e-3) / 1e12
-                    pieces.append(
+                    emit(
+                        pieces,
                         [
                             shape,
                             label,
@@ -198,9 +208,9 @@ def main():
                             rate,
                             "TB/s" if kind == "cast" else "TFLOP/s",
                             tp / total_kernels,
-                        ]
+                        ],
                     )
-                pieces.append([shape, label, "sum of kernels (vs measured total)", total_kernels, t, "ms", 1.0])  # fmt: skip
+                emit(pieces, [shape, label, "sum of kernels (vs measured total)", total_kernels, t, "ms", 1.0])  # fmt: skip
         y_ref = F.linear(xd.float(), w.float())
         for name in ("mxfp8", "fp8_rowwise"):
             mod = LowPrecisionLinear(k, n, bias=False, recipe=Recipe(name=name, fallback=no_fallback), device=device, dtype=torch.bfloat16)  # fmt: skip

@@ -202,11 +202,12 @@ def _fp8_linear(x2: torch.Tensor, w: torch.Tensor, recipe: Recipe, out_dtype) ->
 
 
 def _timing_allowed(x: torch.Tensor) -> bool:
-    """Only in a plain forward: not compiling, not inside a backward (checkpoint recompute), no
-    saved-tensor hooks (checkpointed forward, offloading), no dispatch mode (selective AC)."""
+    """Only in a plain forward: not compiling or in inference mode, not inside a backward
+    (checkpoint recompute), no saved-tensor hooks (checkpointed forward, offloading), no
+    dispatch mode (selective activation checkpointing)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if not x.is_cuda or torch.compiler.is_compiling():
+    if not x.is_cuda or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return False
     if torch._C._current_graph_task_id() != -1:
         return False

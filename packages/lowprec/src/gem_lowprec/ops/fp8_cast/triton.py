@@ -73,7 +73,7 @@ def cast_rows_kernel(
         # Stage 1: row amax (and the column amax of x · row_mult) from one read.
         amax_R = tl.zeros([BLOCK_R], dtype=tl.int32)
         for c0 in range(0, C, BLOCK_C):
-            cols_C = c0 + tl.arange(0, BLOCK_C)
+            cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
             mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
             x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
             amax_R = tl.maximum(amax_R, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
@@ -86,7 +86,7 @@ def cast_rows_kernel(
         tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
         # Stage 3: cast and store row-major (and transposed).
         for c0 in range(0, C, BLOCK_C):
-            cols_C = c0 + tl.arange(0, BLOCK_C)
+            cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
             mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
             x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
             q_RC = encode(
@@ -126,7 +126,7 @@ def column_amax_kernel(
 ):
     """Column amax of ``x · row_mult`` over ``ROW_TILES`` row tiles, then one atomic max per
     column (bit patterns of non-negative floats order like their values)."""
-    cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols_C = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     amax_C = tl.zeros([BLOCK_C], dtype=tl.int32)
     for t in range(ROW_TILES):
         rows_R = ((tl.program_id(0) * ROW_TILES + t) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -161,7 +161,7 @@ def cast_columns_kernel(
     IN_BF16: tl.constexpr,
 ):
     rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols_C = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     col_ok_C = cols_C < C
     mask_RC = (rows_R < R)[:, None] & col_ok_C[None, :]
     v_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
@@ -380,7 +380,7 @@ def mx_rowcol_k128(x: torch.Tensor, fmt: ElemFormat, *, scale_mode: str):
     scale_t = torch.empty((R // 128, C), dtype=torch.float32, device=dev).t()
     if R and C:
         x_arg, constants = _common(x, fmt)
-        launch = dict(num_warps=8) if x.is_cuda and not INTERPRETING else {}
+        launch = dict(num_warps=16) if x.is_cuda and not INTERPRETING else {}
         mx_rowcol_k128_kernel[(R // 128, C // 128)](
             x_arg, data, scale, data_t, scale_t, R, C, RCEIL=scale_mode == "rceil",
             **constants, **launch,
