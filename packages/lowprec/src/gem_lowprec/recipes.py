@@ -7,15 +7,17 @@ input-gradient ``dx = dy W``, weight-gradient ``dW = dyᵀ x``):
   scales along K are merged into one 1×128 block by shifting the smaller blocks' fp8 values down
   whole binades, and the product runs as a 1×128 blockwise fp8 GEMM (``torch._scaled_mm``); on
   the CPU the same merged operands are multiplied in float32 (an emulation with the same math).
-- ``fp8_rowwise``: one float32 scale per row of each operand, ``torch._scaled_mm`` rowwise
-  (Hopper's fastest fp8 path).
+- ``fp8_rowwise``: one power-of-two float32 scale per row of each operand (as torchao's rowwise
+  recipe rounds them), ``torch._scaled_mm`` rowwise (Hopper's fastest fp8 path). An fp8
+  weight-gradient folds the per-token scale of one operand into the other (``linear.py``).
 - ``bf16``: no quantization (``F.linear``).
 
 Forward and input-gradient run in fp8; the weight-gradient runs in BF16 by default
 (``weight_grad="bf16"``) or fp8 (``"fp8"``, optionally with a random Hadamard transform along the
 token dim, ``WeightGradConfig.hadamard_block``). ``FallbackConfig`` decides per shape whether the
 low-precision path is used at all: shapes the fp8 kernels cannot take, and on a GPU shapes where a
-one-time measurement finds the fp8 path slower than BF16, run in BF16 and say so.
+one-time measurement (per recipe, K, N, dtype and token count rounded up to a power of two) finds
+the fp8 path slower than BF16, run in BF16 and say so.
 """
 
 from dataclasses import dataclass, field, replace
@@ -40,7 +42,7 @@ class WeightGradConfig:
 
 @dataclass(frozen=True)
 class FallbackConfig:
-    measure_on_gpu: bool = True  # time fp8 vs BF16 fwd+bwd once per shape, keep the faster
+    measure_on_gpu: bool = True  # time fp8 vs BF16 fwd+bwd once per (K, N, M bucket), keep faster
     warn: bool = True  # warn once per shape that falls back
 
 
