@@ -6,6 +6,11 @@ All three go through one ``torch.library`` custom op on a contiguous ``[M, K]`` 
 reference on CPU tensors (``backend`` overrides; Triton on CPU tensors runs under the interpreter).
 Tensors whose block dimension is not a multiple of 32 are refused with a message: nothing is
 padded or truncated silently.
+
+Eager fast path: when nothing could observe the op (no compilation or tracing, no dispatch mode
+such as fake tensors, plain tensors), the op's implementation is called directly. The dispatcher's
+Python layers cost tens of microseconds a call, more than a quantize kernel of a few MB takes, and
+the results are the same bytes.
 """
 
 import torch
@@ -25,8 +30,18 @@ __all__ = ["to_mx", "to_mx_2d", "to_mx_rowcol"]
 _LAYOUTS = ("rows", "cols", "rowcol", "tile2d")
 
 
-@torch.library.custom_op("gem_lowprec::mx_quantize", mutates_args=())
-def mx_quantize_op(
+def eager_path_allowed(*tensors: torch.Tensor) -> bool:
+    """True when calling an op's implementation directly is unobservable: not compiling or
+    tracing, no dispatch mode on the stack (fake tensors, functionalization, proxies), no functorch
+    transform, and plain tensors only."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def _mx_quantize(
     x: torch.Tensor, elem: str, scale_mode: str, layout: str, seed: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """uint8 (row_data [M,K], row_scale, col_data [K,M], col_scale [K,M/32]); seed < 0: nearest."""
@@ -58,6 +73,15 @@ def mx_quantize_op(
         )
         col_data, col_scale = data.t().contiguous(), scale.t().contiguous()
     return row_data, row_scale.contiguous(), col_data, col_scale
+
+
+mx_quantize_op = torch.library.custom_op("gem_lowprec::mx_quantize", _mx_quantize, mutates_args=())
+
+
+def _quantize(x, elem, scale_mode, layout, seed, backend):
+    if eager_path_allowed(x):
+        return _mx_quantize(x, elem, scale_mode, layout, seed, backend)
+    return mx_quantize_op(x, elem, scale_mode, layout, seed, backend)
 
 
 @mx_quantize_op.register_fake
@@ -127,16 +151,20 @@ def to_mx(
     seed_value = _seed_for(rounding, seed)
     elem = _elem_name(fmt.dtype)
     if x.dim() == 2 and axis == 0:
-        _, _, col_data, col_scale = mx_quantize_op(
+        _, _, col_data, col_scale = _quantize(
             x.contiguous(), elem, scale_mode, "cols", seed_value, backend
         )
         data, scale = col_data.t(), col_scale.t()
+    elif axis == x.dim() - 1:
+        k = x.shape[-1]
+        row_data, row_scale, _, _ = _quantize(
+            x.contiguous().view(-1, k), elem, scale_mode, "rows", seed_value, backend
+        )
+        data, scale = row_data.view(x.shape), row_scale.view(*x.shape[:-1], k // 32)
     else:
         moved = x.movedim(axis, -1)
         flat = moved.contiguous().reshape(-1, moved.shape[-1])
-        row_data, row_scale, _, _ = mx_quantize_op(
-            flat, elem, scale_mode, "rows", seed_value, backend
-        )
+        row_data, row_scale, _, _ = _quantize(flat, elem, scale_mode, "rows", seed_value, backend)
         data = row_data.view(moved.shape).movedim(-1, axis)
         scale = row_scale.view(*moved.shape[:-1], moved.shape[-1] // 32).movedim(-1, axis)
     return MXTensor(data.view(fmt.dtype), scale, MXLayout("1x32", axis=axis))
@@ -159,7 +187,7 @@ def to_mx_2d(
     check_divisible(x, -2, 32, what="tile edge")
     check_divisible(x, -1, 32, what="tile edge")
     *lead, m, n = x.shape
-    data, scale, _, _ = mx_quantize_op(
+    data, scale, _, _ = _quantize(
         x.contiguous().reshape(-1, n), _elem_name(fmt.dtype), scale_mode, "tile2d", -1, backend
     )
     return MXTensor(
@@ -189,7 +217,7 @@ def to_mx_rowcol(
         raise ValueError(f"x must be 2-D [M, K] for to_mx_rowcol, got shape {tuple(x.shape)}")
     check_divisible(x, 0, 32, what="block size")
     check_divisible(x, 1, 32, what="block size")
-    row_data, row_scale, col_data, col_scale = mx_quantize_op(
+    row_data, row_scale, col_data, col_scale = _quantize(
         x.contiguous(),
         _elem_name(fmt.dtype),
         scale_mode,

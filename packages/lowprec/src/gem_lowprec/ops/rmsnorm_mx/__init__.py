@@ -1,7 +1,9 @@
 """``rmsnorm_to_mx``: RMSNorm fused with 1×32 MX quantization along the last dim.
 
 Returns the ``MXTensor`` of ``rmsnorm(x) · weight`` (normalized in float32, quantized from
-float32). One ``torch.library`` custom op; Triton on CUDA tensors, the reference on CPU tensors.
+float32). One ``torch.library`` custom op; Triton on CUDA tensors, the reference on CPU tensors;
+in plain eager use its implementation is called directly (the same eager fast path as
+``to_mx``: the dispatcher's host cost is larger than this kernel's time).
 """
 
 import torch
@@ -13,6 +15,7 @@ from gem_lowprec.formats import (
     resolve_backend,
 )
 from gem_lowprec.mx_tensor import MXLayout, MXTensor
+from gem_lowprec.ops.mx_quantize import eager_path_allowed
 from gem_lowprec.ops.rmsnorm_mx import reference
 
 __all__ = ["rmsnorm_to_mx"]
@@ -20,8 +23,7 @@ __all__ = ["rmsnorm_to_mx"]
 MAX_FEATURES = 16384
 
 
-@torch.library.custom_op("gem_lowprec::rmsnorm_mx", mutates_args=())
-def rmsnorm_mx_op(
+def _rmsnorm_mx(
     x: torch.Tensor, weight: torch.Tensor, eps: float, elem: str, scale_mode: str, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = elem_format(getattr(torch, elem))
@@ -32,6 +34,9 @@ def rmsnorm_mx_op(
         return data, scale
     data, scale = reference.rmsnorm_mx(x, weight, eps, fmt, scale_mode)
     return data, scale.contiguous()
+
+
+rmsnorm_mx_op = torch.library.custom_op("gem_lowprec::rmsnorm_mx", _rmsnorm_mx, mutates_args=())
 
 
 @rmsnorm_mx_op.register_fake
@@ -65,15 +70,18 @@ def rmsnorm_to_mx(
         raise ValueError(
             f"x's last dim must be at most {MAX_FEATURES} for the fused kernel, got {n}"
         )
-    flat = x.contiguous().reshape(-1, n)
-    data, scale = rmsnorm_mx_op(
-        flat,
+    args = (
+        x.contiguous().reshape(-1, n),
         weight.contiguous(),
         float(eps),
         str(fmt.dtype).removeprefix("torch."),
         scale_mode,
         resolve_backend(backend, x.device),
     )
+    if eager_path_allowed(x, weight):
+        data, scale = _rmsnorm_mx(*args)
+    else:
+        data, scale = rmsnorm_mx_op(*args)
     return MXTensor(
         data.view(x.shape).view(fmt.dtype),
         scale.view(*x.shape[:-1], n // 32),
