@@ -137,7 +137,7 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
     print(f"timed {steps} steps in {seconds:.1f} s; counting syncs, then Local MFU", flush=True)
     first = warmup + steps
     _, syncs = count_syncs(lambda: [step(first + k) for k in range(sync_steps)])
-    kernels = profile_step(lambda: step(first + sync_steps), profile) if profile else []
+    kernels = profile_step(lambda: step(first + sync_steps), profile) if profile else None
     last_loss = loss.item()
     run = reporter = loss = prepared = None  # free the training run before timing layers alone
     if cuda:
@@ -169,14 +169,45 @@ def profile_step(fn, folder: str) -> list:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(Path(folder) / "a2_all_on_step.json"))
+    trace = Path(folder) / "a2_all_on_step.json"
+    prof.export_chrome_trace(str(trace))
     rows = [
         (e.key, e.count, e.self_device_time_total / 1e3)
         for e in prof.key_averages()
         if e.self_device_time_total > 0
     ]
     rows.sort(key=lambda r: -r[2])
-    return rows[:15]
+    return {"top": rows[:15], "split": gpu_time_split(trace)}
+
+
+KERNEL_KINDS = {  # kernel name fragments → what the time was spent on
+    "attention": ("_jfa_", "gdpa", "fmha", "flash", "attention", "_block_attn"),
+    "GEMM": ("nvjet", "gemm", "cutlass", "scaled_mm", "matmul", "_mm_"),
+}
+
+
+def gpu_time_split(trace: Path) -> dict[str, float]:
+    """Milliseconds of one profiled step: GPU span, kernel time by kind, and idle time."""
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )  # fmt: skip
+    if not gpu:
+        return {}
+    split = {"span": 0.0, "attention": 0.0, "GEMM": 0.0, "other": 0.0, "idle": 0.0}
+    end = gpu[0]["ts"]
+    for e in gpu:
+        split["idle"] += max(0.0, e["ts"] - end) / 1e3
+        end = max(end, e["ts"] + e["dur"])
+        name = e["name"].lower()
+        kind = next(
+            (k for k, parts in KERNEL_KINDS.items() if any(p in name for p in parts)), "other"
+        )
+        split[kind] += e["dur"] / 1e3
+    split["span"] = (end - gpu[0]["ts"]) / 1e3
+    return split
 
 
 def child_main(args) -> None:
@@ -308,13 +339,17 @@ def report(results: dict, local_of: dict) -> None:
                 ["layer", "GFLOP", "ms", "TFLOP/s", "MFU"],
                 [[x["layer"], x["gflop"], x["ms"], x["tflops"], x["mfu"]] for x in layers],
             )
-    kernels = next((r["kernels"] for r in ok.values() if r.get("kernels")), [])
-    if kernels:
+    profiled = next((r["kernels"] for r in ok.values() if r.get("kernels")), None)
+    if profiled and profiled["top"]:
         common.print_table(
             "all on: top kernels of one profiled step (device time)",
             ["kernel", "calls", "ms"],
-            [[k[:70], n, ms] for k, n, ms in kernels],
+            [[k[:70], n, ms] for k, n, ms in profiled["top"]],
         )
+        split = profiled["split"]
+        if split:
+            print("all on, one profiled step, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
+                  + " (span = kernels + idle; idle = the GPU waiting for the host)")  # fmt: skip
     common.print_table(
         "A2: gem-small, one GPU (MFU against the datasheet BF16 peak)",
         ["variant", "QPS", "step ms", "E2E MFU", "Local MFU", "scaling", "peak GiB",
