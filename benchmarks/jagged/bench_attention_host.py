@@ -180,6 +180,11 @@ def run(smoke: bool) -> None:
                 if backward and what == "public op":
                     error = worst_relative_error(public, *inputs)
                 rows.append([name, label, what, host, device_us, wall, error])
+                print(
+                    f"  {name} {label} {what}: host {host:.0f} us, device {device_us:.0f} us, "
+                    f"wall {wall:.0f} us, rel err {error:.2g}",
+                    flush=True,
+                )
                 common.record(
                     "attention_host", workload=f"{name} {label} {what}", host_us=host,
                     device_us=device_us, wall_us=wall,

@@ -134,11 +134,17 @@ def run(smoke: bool, quick: bool) -> None:
     rows, headline = [], {}
     for backward in (False, True):
         flops = common.attention_flops(pairs, heads=heads, head_dim=head_dim, backward=backward)
-        ms = ab.measure(
-            fns, project=("block_attention",), backward=backward, bench=bench,
-            anchor_bench=anchor_bench, graphed=("block_attention",),
-        )  # fmt: skip
         label = "fwd+bwd" if backward else "fwd"
+        ms = {}
+        for name, entry in fns.items():  # one at a time, printed at once: a cut run still shows
+            part = ab.measure(
+                {name: entry}, project=("block_attention",), backward=backward, bench=bench,
+                anchor_bench=anchor_bench,
+                graphed=("block_attention",) if name == "block_attention" else (),
+            )  # fmt: skip
+            ms.update(part)
+            timed = ", ".join(f"{n} {t:.4g} ms" for n, t in part.items())
+            print(f"  J5 {label}: {timed}", flush=True)
         base = ms["block_attention"]
         rows += ab.ratio_rows("J5", label, ms, flops, "block_attention")
         common.record(

@@ -189,6 +189,21 @@ def overhead(rows, w) -> None:
         rows.append([w.name, "host", name, common.try_bench(fn), float("nan"), float("nan")])
 
 
+def measure_each(fns, workload, label, backward, bench, anchor_bench) -> dict[str, float]:
+    """``ab.measure`` one entry at a time, each printed as soon as it is timed, so that a run cut
+    short (compiling the anchors takes most of it) still shows the project's figures."""
+    ms = {}
+    for name, entry in fns.items():
+        part = ab.measure(
+            {name: entry}, project=("gdpa",), backward=backward, bench=bench,
+            anchor_bench=anchor_bench, graphed=[name] if name in ("gdpa", "JFA") else [],
+        )  # fmt: skip
+        ms.update(part)
+        timed = ", ".join(f"{n} {t:.4g} ms" for n, t in part.items())
+        print(f"  {workload} {label}: {timed}", flush=True)
+    return ms
+
+
 def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
     device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
     bench, anchor_bench = ab.benches(smoke, quick=quick)
@@ -213,11 +228,8 @@ def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
             flops = common.attention_flops(
                 w.pairs(), heads=heads, head_dim=head_dim, backward=backward
             )
-            ms = ab.measure(
-                fns, project=("gdpa",), backward=backward, bench=bench, anchor_bench=anchor_bench,
-                graphed=[n for n in ("gdpa", "JFA") if n in fns],
-            )  # fmt: skip
             label = "fwd+bwd" if backward else "fwd"
+            ms = measure_each(fns, w.name, label, backward, bench, anchor_bench)
             rows += ab.ratio_rows(w.name, label, ms, flops, "gdpa")
             common.record(
                 "gdpa",
