@@ -146,8 +146,10 @@ def pool(
 ) -> torch.Tensor:
     """Sum or mean of each sample's rows (empty samples give zeros), optionally weighted."""
     batch = lengths_B.numel()
-    sample_T = torch.repeat_interleave(
-        torch.arange(batch, device=rows_TD.device), lengths_B.to(rows_TD.device)
+    sample_T = torch.repeat_interleave(  # output_size known: no host sync for the total
+        torch.arange(batch, device=rows_TD.device),
+        lengths_B.to(rows_TD.device),
+        output_size=rows_TD.shape[0],
     )
     if weights_T is not None:
         rows_TD = rows_TD * weights_T.to(rows_TD.dtype).unsqueeze(1)

@@ -94,11 +94,13 @@ class EmbeddingTables(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         generator: torch.Generator | None = None,
+        validate_ids: bool = True,
     ):
         super().__init__()
         check_tables(tables, pooling)
         self.tables = list(tables)
         self.pooling = pooling
+        self.validate_ids = validate_ids  # False when the data reader already checked the ids
         self.weights = nn.ParameterDict(
             {
                 t.name: nn.Parameter(
@@ -116,8 +118,9 @@ class EmbeddingTables(nn.Module):
 
     def forward(self, features):
         parsed = split_features(features, expected=self.feature_names)
-        for table in self.tables:
-            check_ids(table, torch.cat([parsed[f].ids for f in table.feature_names]))
+        if self.validate_ids:  # one host sync per table: skip it where ids were checked upstream
+            for table in self.tables:
+                check_ids(table, torch.cat([parsed[f].ids for f in table.feature_names]))
         return lookup_output(
             self.tables,
             self.pooling,
