@@ -1,4 +1,4 @@
-"""Jagged flash attention in Triton: forward, and backward split into a dK/dV and a dQ kernel.
+"""Jagged flash attention in Triton: forward, and backward split into a dQ and a dK/dV kernel.
 
 Legend (shape suffixes): ``Tq``/``Tk`` total query/key tokens, ``B`` sequences, ``N`` heads,
 ``H`` head dim, ``W`` work-list slots, ``R2`` relative-bias buckets (2R+1), ``M``/``Nk`` rows of
@@ -22,11 +22,14 @@ Backward, dK/dV kernel (one program per (key tile, query-range chunk, head))
     dK/dV into a float32 scratch with atomics; unsplit tiles store directly.
 
 Backward, dQ kernel (one program per (query tile, head), a query work list like the forward's)
-    Mirrors the forward loop: ``dQ += dS K``. It also owns the relative-bias gradient: each
-    program reduces ``dS`` of its tiles by diagonal into its own row of a partial buffer (the two
-    clamped edge buckets take one masked tile sum each; only tiles crossing the band |j − i| < R
-    reduce their interior diagonals one by one), and one sum over the rows finishes it. No
-    per-element atomics, and no two programs ever add into the same address.
+    Runs first. It computes ``δ`` of its rows from the output tile and ``dO``, which it holds
+    anyway, and stores it for the dK/dV kernel (no separate launch, no second pass over ``O``
+    and ``dO``). Then it mirrors the forward loop: ``dQ += dS K``. It also owns the
+    relative-bias gradient: each program reduces ``dS`` of its tiles by diagonal into its own
+    row of a partial buffer (the two clamped edge buckets take one masked tile sum each; only
+    tiles crossing the band |j − i| < R reduce their interior diagonals one by one), and one sum
+    over the rows finishes it. No per-element atomics, and no two programs ever add into the
+    same address.
 
 Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
 ``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
@@ -283,26 +286,6 @@ def _jfa_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward: δ = rowsum(dO ⊙ O)
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _jfa_delta_kernel(
-    out_TqNH, do_TqNH, delta_NTq, total_q, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    rows_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    row_ok_T = rows_T < total_q
-    offsets_TH = rows_T.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM
-    offsets_TH += tl.arange(0, HEAD_DIM)[None, :]
-    out_TH = tl.load(out_TqNH + offsets_TH, mask=row_ok_T[:, None], other=0.0).to(tl.float32)
-    do_TH = tl.load(do_TqNH + offsets_TH, mask=row_ok_T[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_NTq + head * total_q + rows_T, tl.sum(out_TH * do_TH, 1), mask=row_ok_T)
-
-
-# ----------------------------------------------------------------------------------------------
 # Backward: dK and dV
 # ----------------------------------------------------------------------------------------------
 
@@ -500,7 +483,8 @@ def _dq_key_blocks(
 
 @triton.jit
 def _jfa_dq_kernel(
-    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2, dq_TqNH, dbias_part_PR2,
+    q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2, dq_TqNH,
+    dbias_part_PR2,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
     num_heads, total_q, scale, qk_scale_log2, radius,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -529,7 +513,11 @@ def _jfa_dq_kernel(
     do_MH = tl.load(do_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
     lse_M = tl.load(lse_NTq + head * total_q + q_begin + rows_M, mask=row_ok_M, other=float("inf"))
     lse_M = lse_M * 1.4426950408889634  # the kernels work in log2
-    delta_M = tl.load(delta_NTq + head * total_q + q_begin + rows_M, mask=row_ok_M, other=0.0)
+    # δ = rowsum(dO ⊙ O) of the tile's rows, stored for the dK/dV kernel that runs next (every
+    # query row belongs to exactly one query tile).
+    out_MH = tl.load(out_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+    delta_M = tl.sum(out_MH.to(tl.float32) * do_MH.to(tl.float32), 1)
+    tl.store(delta_NTq + head * total_q + q_begin + rows_M, delta_M, mask=row_ok_M)
     k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
     bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
@@ -607,27 +595,16 @@ def jfa_backward(
 ):  # fmt: skip
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
-    delta = backward_delta(out, dout)
+    # dQ first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then reads.
+    dq, dbias, delta = backward_dq(
+        dout, q, k, v, out, lse, q_offsets, kv_offsets,
+        causal=causal, scale=scale, rel_bias=rel_bias, forward_work=forward_work,
+    )  # fmt: skip
     dk, dv = backward_dkdv(
         dout, q, k, v, lse, delta, q_offsets, kv_offsets,
         causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
     )  # fmt: skip
-    dq, dbias = backward_dq(
-        dout, q, k, v, lse, delta, q_offsets, kv_offsets,
-        causal=causal, scale=scale, rel_bias=rel_bias, forward_work=forward_work,
-    )  # fmt: skip
     return dq, dk, dv, dbias
-
-
-def backward_delta(out, dout):
-    """``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32."""
-    total_q, num_heads, head_dim = out.shape
-    delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=out.device)
-    block_t = 16 if out.device.type != "cuda" else 64
-    _jfa_delta_kernel[(triton.cdiv(total_q, block_t), num_heads)](
-        out, dout, delta, total_q, num_heads, HEAD_DIM=head_dim, BLOCK_T=block_t
-    )
-    return delta
 
 
 def backward_dkdv(
@@ -672,15 +649,17 @@ def backward_dkdv(
 
 
 def backward_dq(
-    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None
+    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None
 ):
-    """dQ and the relative-bias gradient (contiguous inputs) from the query-tile work list.
+    """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
+    (contiguous inputs), from the query-tile work list.
 
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(head_dim, q.device, q.dtype)
     dq = torch.empty_like(q)
+    delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     radius = _radius(rel_bias)
     if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
         qwork = TileWorkList(forward_work, cfg.dq_block_m)
@@ -695,7 +674,7 @@ def backward_dq(
     else:
         dbias_part = lse
     _jfa_dq_kernel[(num_programs,)](
-        q, k, v, dout, lse, delta, rel_bias if rel_bias is not None else q, dq, dbias_part,
+        q, k, v, out, dout, lse, delta, rel_bias if rel_bias is not None else q, dq, dbias_part,
         q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
         num_heads, total_q, scale, scale * LOG2E, radius,
         HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
@@ -705,4 +684,4 @@ def backward_dq(
     dbias = None
     if rel_bias is not None:
         dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0).to(rel_bias.dtype)
-    return dq, dbias
+    return dq, dbias, delta
