@@ -240,3 +240,21 @@ def test_benchmark_smoke(monkeypatch, capsys):
     bench.main()
     out = capsys.readouterr().out
     assert "launch-shape sweep" in out and "Q3 rmsnorm+1x32" in out
+
+
+def test_eager_fast_path_and_dispatch_modes():
+    """Plain eager calls skip the custom op's dispatcher; under a dispatch mode (fake tensors)
+    the op runs, so shapes propagate without touching data; both paths give the same bytes."""
+    from gem_lowprec.ops.mx_quantize import eager_path_allowed, mx_quantize_op
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    assert eager_path_allowed(x)
+    via_op = mx_quantize_op(x, "float8_e4m3fn", "rceil", "rows", -1, "triton")
+    fast = to_mx(x, backend="triton")
+    assert torch.equal(bits(fast.data), via_op[0]) and torch.equal(fast.scale, via_op[1])
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert not eager_path_allowed(fake)
+        mx = to_mx_2d(fake)
+        assert mx.data.shape == (64, 96) and mx.scale.shape == (2, 3)

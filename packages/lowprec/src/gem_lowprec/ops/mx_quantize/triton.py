@@ -25,9 +25,10 @@ Stages of every program:
 2. Reduce those patterns to the block amax and turn each amax into its E8M0 byte (the integer
    rule of the reference), once per block, not per element.
 3. Encode the elements. On a GPU: multiply by ``2^−e`` (exact in float32 until the result drops
-   below 2^−126, which rounds to zero in fp8 either way), clamp to ±max (saturation; the hardware
-   cast alone would give NaN), and let the hardware round-to-nearest-even cast do the rest.
-   Under Triton's interpreter, whose fp32 -> fp8 cast rounds wrongly, and for stochastic
+   below 2^−126, which rounds to zero in fp8 either way; a NaN/Inf block multiplies by NaN) and
+   let the hardware's round-to-nearest-even ``satfinite`` cast do the rest: it saturates to ±max
+   and turns NaN into the format's NaN byte, so each element costs one multiply and half a
+   packed cast instruction. Under Triton's interpreter, whose fp32 -> fp8 cast rounds wrongly, and for stochastic
    rounding, the reference's integer encoder runs instead (``HW_CONVERT=False``); both are
    checked bit for bit against the reference, the integer one on every bf16 bit pattern on CPU
    and the hardware one likewise on the GPU.
