@@ -36,8 +36,10 @@ Two shapes of list are offered, general enough for every attention kernel of the
 
 The slot arithmetic (the search, the ranges, the costs) runs in one small Triton kernel per level
 rather than as dozens of tiny PyTorch ops: each launch costs host time, and a work list built from
-thirty of them made the whole attention call host-bound. What remains in PyTorch is one
-``cumsum`` per level, the ``argsort`` and one gather.
+thirty of them made the whole attention call host-bound. The heaviest-first order is one more
+small kernel that ranks every slot against all others and writes it in place (a stable order,
+O(W²) comparisons: cheaper than a radix sort plus a gather for the few thousand slots of a batch;
+past ``_RANK_MAX_SLOTS`` a sort takes over). What remains in PyTorch is one ``cumsum`` per level.
 
 Building a list costs a few launches of host time, which matters when the kernels are short (a
 forward + backward step of a small batch is host-bound). With ``cache=True`` a list is remembered
@@ -248,10 +250,45 @@ def _tile_slots(tiled_offsets, other_offsets, *, total, block, causal, key_tiles
     )  # fmt: skip
 
 
+@triton.jit
+def _rank_scatter_kernel(fields_FW, cost_W, out_5W, num_slots, SLOTS: tl.constexpr):
+    """Write each slot's five fields at its rank in the heaviest-first order.
+
+    A slot's rank counts the slots that go before it: heavier ones, and equally heavy ones with
+    a smaller index (a stable order). Every program compares its ``SLOTS`` slots with all the
+    others, O(W²) comparisons in one launch, cheaper than a sort plus a gather for the few
+    thousand slots of a batch.
+    """
+    slots_W = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+    in_range_W = slots_W < num_slots
+    mine_W = tl.load(cost_W + slots_W, mask=in_range_W, other=-2)
+    rank_W = tl.zeros([SLOTS], tl.int32)
+    for start in range(0, num_slots, SLOTS):
+        others_O = start + tl.arange(0, SLOTS)
+        theirs_O = tl.load(cost_W + others_O, mask=others_O < num_slots, other=-3)  # never first
+        first_WO = (theirs_O[None, :] > mine_W[:, None]) | (
+            (theirs_O[None, :] == mine_W[:, None]) & (others_O[None, :] < slots_W[:, None])
+        )
+        rank_W += tl.sum(first_WO.to(tl.int32), 1)
+    for field in tl.static_range(5):
+        value_W = tl.load(fields_FW + field * num_slots + slots_W, mask=in_range_W)
+        tl.store(out_5W + field * num_slots + rank_W, value_W, mask=in_range_W)
+
+
+# Past this many slots the O(W²) ranking gives way to a sort and a gather.
+_RANK_MAX_SLOTS = 32768
+
+
 def _sorted(fields_FW, cost_W, block) -> TileWorkList:
     """Order the slots heaviest first (stable, so equal costs keep their order)."""
-    order_W = torch.argsort(cost_W, descending=True, stable=True)
-    return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
+    num_slots = cost_W.shape[0]
+    if num_slots > _RANK_MAX_SLOTS:
+        order_W = torch.argsort(cost_W, descending=True, stable=True)
+        return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
+    out_5W = torch.empty(5, num_slots, dtype=torch.int32, device=cost_W.device)
+    grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
+    _rank_scatter_kernel[grid](fields_FW, cost_W, out_5W, num_slots, SLOTS=_SLOTS_PER_PROGRAM)
+    return TileWorkList(out_5W, block)
 
 
 # (kind, id(tiled offsets), id(other offsets), stream, options) -> (weak refs, versions, list)
