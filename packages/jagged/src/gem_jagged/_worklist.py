@@ -39,7 +39,9 @@ rather than as dozens of tiny PyTorch ops: each launch costs host time, and a wo
 thirty of them made the whole attention call host-bound. The heaviest-first order is one more
 small kernel that ranks every slot against all others and writes it in place (a stable order,
 O(W²) comparisons: cheaper than a radix sort plus a gather for the few thousand slots of a batch;
-past ``_RANK_MAX_SLOTS`` a sort takes over). What remains in PyTorch is one ``cumsum`` per level.
+past ``_RANK_MAX_SLOTS`` a sort takes over), and the running sums (tiles per sequence, chunks
+per key tile) are one single-program kernel each: a list is three launches and three allocations
+(five of each with split key tiles), the rest of its cost is on the device.
 
 Building a list costs a few launches of host time, which matters when the kernels are short (a
 forward + backward step of a small batch is host-bound). With ``cache=True`` a list is remembered
@@ -225,10 +227,42 @@ def _split_slots_kernel(
     tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1).to(tl.int32), mask=in_range_W)
 
 
+@triton.jit
+def _running_sum_kernel(
+    counts_B, ends_B, num_items, block, FROM_OFFSETS: tl.constexpr, CHUNK: tl.constexpr
+):  # fmt: skip
+    """``ends[b] = Σ_{c ≤ b} count[c]`` (int64) in one program, ``CHUNK`` items at a time.
+
+    With ``FROM_OFFSETS`` the counts are tiles per sequence, ``cdiv(off[b+1] − off[b], block)``,
+    read from an offsets tensor; otherwise they are read as they are.
+    """
+    carry = tl.sum(tl.zeros([CHUNK], tl.int64), 0)
+    for start in range(0, num_items, CHUNK):
+        items_C = start + tl.arange(0, CHUNK)
+        ok_C = items_C < num_items
+        count_C = tl.load(counts_B + items_C, mask=ok_C, other=0).to(tl.int64)
+        if FROM_OFFSETS:
+            end_C = tl.load(counts_B + items_C + 1, mask=ok_C, other=0).to(tl.int64)
+            count_C = (end_C - count_C + block - 1) // block
+        tl.store(ends_B + items_C, tl.cumsum(count_C, 0) + carry, mask=ok_C)
+        carry += tl.sum(count_C, 0)
+
+
+def _running_sum(counts, num_items, *, block=1, from_offsets=False):
+    """Running sums of ``num_items`` counts as int64 (one zero when there are none)."""
+    if num_items == 0:
+        return torch.zeros(1, dtype=torch.int64, device=counts.device)
+    ends = torch.empty(num_items, dtype=torch.int64, device=counts.device)
+    _running_sum_kernel[(1,)](
+        counts, ends, num_items, block, FROM_OFFSETS=from_offsets, CHUNK=_SLOTS_PER_PROGRAM
+    )
+    return ends
+
+
 def _launch_slots(kernel, inputs, scalars, *, num_slots, num_fields, device, **constexprs):
     """Run a slot kernel: ``kernel(*inputs, fields [F, W] int32, cost [W] int32, *scalars)``."""
-    fields_FW = torch.empty(num_fields, num_slots, dtype=torch.int32, device=device)
-    cost_W = torch.empty(num_slots, dtype=torch.int32, device=device)
+    buffer = torch.empty(num_fields + 1, num_slots, dtype=torch.int32, device=device)
+    fields_FW, cost_W = buffer[:num_fields], buffer[num_fields]
     grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
     kernel[grid](*inputs, fields_FW, cost_W, *scalars, SLOTS=_SLOTS_PER_PROGRAM, **constexprs)
     return fields_FW, cost_W
@@ -238,9 +272,7 @@ def _tile_slots(tiled_offsets, other_offsets, *, total, block, causal, key_tiles
                 split_rows=1 << 30, max_splits=1):  # fmt: skip
     num_seqs = tiled_offsets.numel() - 1
     num_slots = tile_slot_bound(total, num_seqs, block)
-    tile_ends_B = torch.cumsum((torch.diff(tiled_offsets) + (block - 1)) // block, 0)
-    if num_seqs == 0:
-        tile_ends_B = torch.zeros(1, dtype=torch.int64, device=tiled_offsets.device)
+    tile_ends_B = _running_sum(tiled_offsets, num_seqs, block=block, from_offsets=True)
     return _launch_slots(
         _tile_slots_kernel,
         (tiled_offsets, other_offsets, tile_ends_B),
@@ -405,7 +437,7 @@ def _build_key_tiles(q_offsets, kv_offsets, total_kv, block, causal, align, spli
     if max_splits == 1:
         return _sorted(tiles_FT, cost_T, block)
     num_slots = num_tiles * max_splits
-    split_ends_T = torch.cumsum(tiles_FT[4], 0)
+    split_ends_T = _running_sum(tiles_FT[4], num_tiles)
     fields_FW, cost_W = _launch_slots(
         _split_slots_kernel,
         (tiles_FT, split_ends_T),
