@@ -18,6 +18,7 @@ from ._op import BlockAttentionTritonFunction, block_attention_op
 __all__ = ["block_attention"]
 
 MAX_BLOCK_SIZE = 128
+MAX_FP32_BLOCK_SIZE = 64  # Triton backend: a whole fp32 block's operands must fit on chip
 
 
 def block_attention(
@@ -34,7 +35,8 @@ def block_attention(
 ) -> torch.Tensor:
     """Block-local softmax attention; output ``[T, N, H]``. ``scale`` defaults to ``1/sqrt(H)``.
 
-    ``block_size`` is at most 128 tokens (the whole block's scores stay on chip).
+    ``block_size`` is at most 128 tokens (the whole block's scores stay on chip), 64 for fp32
+    inputs on the Triton backend.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)
@@ -54,6 +56,12 @@ def block_attention(
     check_offsets("offsets", offsets, total=q.shape[0], device=q.device)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
+    if backend == "triton" and q.dtype == torch.float32 and block_size > MAX_FP32_BLOCK_SIZE:
+        raise ValueError(
+            f"fp32 inputs support block_size up to {MAX_FP32_BLOCK_SIZE} on the Triton backend, "
+            f"got {block_size}: the backward of a 128-token fp32 block needs ~320 KiB of shared "
+            f"memory (an H200 has 227 KiB); use bf16/fp16 inputs or backend='reference'"
+        )
     rope_theta = None if rope_theta is None else float(rope_theta)
     if backend == "triton" and not torch.compiler.is_compiling():
         return BlockAttentionTritonFunction.apply(
