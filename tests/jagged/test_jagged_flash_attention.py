@@ -72,11 +72,16 @@ def _check_against_fp64(lq, lk, *, causal, radius, seed, dtype, head_dim=32, hea
     truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
     ref_lowp, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
     kernel, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    # A bias bucket sums dS over up to Lq·Lk pairs, terms that cancel (with R = 0 each row's
+    # sum is exactly 0), so its rounding error scales with the terms, not with the small result
+    # the default floor is measured against: the floor grows with √(pairs) there.
+    bias_floor = 4.0 * math.sqrt(max([1] + [a * b for a, b in zip(lq, lk, strict=True)]))
     for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
         assert kernel[i].dtype == dtype, name
         assert_within_reference_error(
-            kernel[i], ref_lowp[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
-        )
+            kernel[i], ref_lowp[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name,
+            floor_ulps=bias_floor if name == "drel_bias" else 4.0,
+        )  # fmt: skip
 
 
 @given(

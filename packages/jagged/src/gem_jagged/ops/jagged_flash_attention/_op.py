@@ -159,8 +159,9 @@ class _TritonAttention(torch.autograd.Function):
         from .triton import jfa_forward
 
         out, lse, work = jfa_forward(
-            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
-        )
+            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
+            cache_work=True,
+        )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
         ctx.options = (causal, scale, max_q_len)
         return out
@@ -189,5 +190,6 @@ def eager_triton_attention(q, k, v, q_offsets, kv_offsets, rel_bias, causal, sca
     from .triton import jfa_forward
 
     return jfa_forward(
-        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
-    )[0]
+        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
+        cache_work=True,
+    )[0]  # fmt: skip

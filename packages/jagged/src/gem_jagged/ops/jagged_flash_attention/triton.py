@@ -557,11 +557,14 @@ def _radius(rel_bias):
     return 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
 
 
-def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias):
+def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False):
     """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
 
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
-    reuses it instead of building it again.
+    reuses it instead of building it again. ``cache_work`` takes it from (or puts it in) the
+    per-offsets cache of ``gem_jagged._worklist``: only for callers that keep it private (the
+    eager path); an op that returns it to a compiler must return a fresh tensor, whose memory
+    the compiler may reuse once it is dead.
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(head_dim, q.device, q.dtype)
@@ -569,8 +572,9 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias):
     out = torch.empty_like(q)
     lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     work = query_tiles(
-        q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal, cache=True
-    )
+        q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal,
+        cache=cache_work,
+    )  # fmt: skip
     bias = rel_bias.contiguous() if rel_bias is not None else q
     _jfa_fwd_kernel[(work.num_slots * num_heads,)](
         q, k, v, out, lse, bias, q_offsets, kv_offsets,
