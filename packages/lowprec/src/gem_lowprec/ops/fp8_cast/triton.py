@@ -104,11 +104,10 @@ def cast_rows_kernel(
             )
             tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
             if TRANSPOSED:
-                tl.store(
-                    data_t_ptr + cols_C[:, None] * R + rows_R[None, :],
-                    tl.trans(q_RC),
-                    mask=tl.trans(mask_RC),
-                )
+                # transposed addresses rather than ``tl.trans`` of the bytes: with ``tl.trans``
+                # the GPU bit-exact test found a whole column missing from the copy on the H200
+                # (Triton 3.6); this form is the one the both-ways MX kernel stores with
+                tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC)
 
 
 @triton.jit
@@ -181,7 +180,7 @@ def cast_columns_kernel(
         HW_CONVERT,
         False,
     )
-    tl.store(data_t_ptr + cols_C[:, None] * R + rows_R[None, :], tl.trans(q_RC), tl.trans(mask_RC))
+    tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC)  # see above
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + cols_C, scale_float(byte_C), mask=col_ok_C)
 
