@@ -262,3 +262,53 @@ def test_profile_of_compiled_regions_predicts_their_peak(toy_factory):
         plan.remove(model)
         predicted = profile.predict_peak([policy, policy])
         assert abs(peak - predicted) <= 0.1 * predicted, (policy, peak, predicted)
+
+
+def test_a_policy_out_of_memory_alone_is_never_chosen(toy_factory, monkeypatch):
+    """``keep`` of one region running out of memory while profiled alone (a batch that only fits
+    with checkpointing) leaves that region with the other policies, its costs counted from the
+    cheapest of them; the rest of the model plans as before."""
+    from gem_memory import profile as profile_module
+
+    make_toy, toy_batch = toy_factory
+    model, x = make_toy(), toy_batch()
+    measure = profile_module._Isolated.measure
+
+    def measure_or_oom(self, policy, *args, **kwargs):
+        if self.module is model.blocks[1] and policy == "keep":
+            raise torch.cuda.OutOfMemoryError("pretend: blocks.1 keeps too much")
+        return measure(self, policy, *args, **kwargs)
+
+    monkeypatch.setattr(profile_module._Isolated, "measure", measure_or_oom)
+    profile = gem_memory.profile_model(model, x, policies=("keep", "selective", "full"))
+    region = {r.name: r for r in profile.regions}["blocks.1"]
+    assert region.out_of_memory == ("keep",) and "keep" not in region.policies
+    assert min(region.recompute_ms(p) for p in region.policies) == 0.0
+    generous = 10 * profile.predict_peak(["full"] * len(profile.regions))
+    plan = gem_memory.plan_checkpointing(
+        model, x, budget_bytes=generous, profile=profile, policies=("keep", "selective", "full")
+    )
+    assert plan.policies["blocks.1"] != "keep"
+    assert all(p == "keep" for n, p in plan.policies.items() if n != "blocks.1")
+    assert "out of memory" in str(plan)
+    with pytest.raises(ValueError, match=r"ran out of device memory.*\['blocks.1'\]"):
+        gem_memory.plan_checkpointing(
+            model, x, budget_bytes=generous, profile=profile, policies=("keep",)
+        )
+
+
+def test_the_timeline_policy_out_of_memory_is_a_clear_error(toy_factory, monkeypatch):
+    from gem_memory import profile as profile_module
+
+    make_toy, toy_batch = toy_factory
+    model, x = make_toy(), toy_batch()
+    measure = profile_module._Isolated.measure
+
+    def measure_or_oom(self, policy, *args, **kwargs):
+        if self.module is model.head and policy == "full":
+            raise torch.cuda.OutOfMemoryError("pretend: the head does not fit at all")
+        return measure(self, policy, *args, **kwargs)
+
+    monkeypatch.setattr(profile_module._Isolated, "measure", measure_or_oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="region 'head': policy 'full'"):
+        gem_memory.profile_model(model, x, policies=("keep", "full"))

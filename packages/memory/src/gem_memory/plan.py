@@ -62,7 +62,9 @@ class CheckpointPlan:
                     region.name,
                     policy,
                     f"{region.policies[policy].saved_bytes / _MIB:.2f}",
-                    f"{region.policies['keep'].saved_bytes / _MIB:.2f}",
+                    f"{region.policies['keep'].saved_bytes / _MIB:.2f}"
+                    if "keep" in region.policies
+                    else "out of memory",
                     f"{region.recompute_ms(policy):.3f}",
                     f"{region.recompute_flops(policy) / 1e9:.3f}",
                 )
@@ -131,9 +133,19 @@ def plan_checkpointing(
             f"regions: {list(regions)} differ from the profile's {[r.name for r in profile.regions]}"
         )
     allowed = tuple(p for p in POLICIES if p in policies)
-    missing = [p for p in allowed if p not in profile.regions[0].policies]
+    missing = [
+        p
+        for p in allowed
+        if any(p not in r.policies and p not in r.out_of_memory for r in profile.regions)
+    ]
     if missing:
         raise ValueError(f"policies: {missing} were not profiled; profile them or leave them out")
+    unplannable = [r.name for r in profile.regions if not any(p in r.policies for p in allowed)]
+    if unplannable:
+        raise ValueError(
+            f"policies: every allowed policy {allowed} ran out of device memory when profiled for "
+            f"regions {unplannable}; allow 'full' or plan a smaller batch"
+        )
     result = solve(profile, budget_bytes, policies=allowed, solver=solver, cost=cost)
     if result is None:
         floor, _ = min_peak(profile, policies=allowed)

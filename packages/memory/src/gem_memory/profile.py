@@ -17,6 +17,10 @@ passes over the model, then one small experiment per region and policy:
    its backward), under ``FlopCounterMode`` (FLOPs of forward, recompute and backward), and
    timed. The region's output gradient is injected by a sink function that holds nothing, so the
    bytes left after the forward are exactly those autograd keeps for this region's backward.
+   A policy that runs out of device memory even alone (``keep`` of one large block at a batch
+   that only fits with checkpointing) is recorded as such and never chosen; the region's
+   recompute costs are then counted from its cheapest policy that fits instead of from ``keep``
+   (every plan picks one policy per region, so the best plan is the same).
 
 The prediction for a plan is then the largest of:
 ``forward_base + kept bytes of earlier regions + this region's forward peak``,
@@ -25,6 +29,7 @@ each outside segment's offset plus the kept bytes of the regions alive during it
 bytes (parameters, buffers, inputs). ``gem_memory.solver`` searches the plans.
 """
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -63,12 +68,19 @@ class RegionProfile:
     backward_base: int  # outside bytes alive when its backward begins
     forward_flops: float
     policies: dict[str, PolicyProfile] = field(default_factory=dict)
+    out_of_memory: tuple[str, ...] = ()  # policies that did not fit on the device even alone
+
+    def _baseline(self) -> PolicyProfile:
+        """``keep``, or when it did not fit, the fastest policy that did."""
+        if "keep" in self.policies:
+            return self.policies["keep"]
+        return min(self.policies.values(), key=lambda p: (p.step_ms, p.flops))
 
     def recompute_ms(self, policy: str) -> float:
-        return max(0.0, self.policies[policy].step_ms - self.policies["keep"].step_ms)
+        return max(0.0, self.policies[policy].step_ms - self._baseline().step_ms)
 
     def recompute_flops(self, policy: str) -> float:
-        return max(0.0, self.policies[policy].flops - self.policies["keep"].flops)
+        return max(0.0, self.policies[policy].flops - self._baseline().flops)
 
 
 @dataclass(frozen=True)
@@ -366,12 +378,34 @@ def _isolate(named, order, captured, shared, tl, policies, quantized, reps, comp
             torch.randn(shape, dtype=dtype, device=dev) for shape, dtype, dev in tl.outputs[name]
         )
         iso = _Isolated(module, args, kwargs, tl.requires_grad[name], cloned, grads)
-        measured = {}
+        measured, out_of_memory = {}, []
         in_bytes = 0
         for policy in policies:
-            measured[policy], in_bytes = iso.measure(policy, quantized, reps=reps, compile=compile)
-        profiles[name] = (in_bytes, _forward_flops(module, args, kwargs), measured)
+            try:
+                measured[policy], in_bytes = iso.measure(
+                    policy, quantized, reps=reps, compile=compile
+                )
+            except torch.cuda.OutOfMemoryError:
+                out_of_memory.append(policy)
+                _release(module)
+        if tl.policy not in measured:
+            raise torch.cuda.OutOfMemoryError(
+                f"region {name!r}: policy {tl.policy!r} ran out of device memory even alone "
+                f"(out of memory under {out_of_memory}); a smaller batch is needed to profile it"
+            )
+        profiles[name] = (
+            in_bytes, _forward_flops(module, args, kwargs), measured, tuple(out_of_memory)
+        )  # fmt: skip
     return profiles
+
+
+def _release(module) -> None:
+    """Drop what a failed isolated step left behind: gradients and cached device blocks."""
+    for p in module.parameters():
+        p.grad = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _assemble(profiles, tl, order, static, quantized, device) -> ModelProfile:
@@ -403,7 +437,7 @@ def _assemble(profiles, tl, order, static, quantized, device) -> ModelProfile:
             alive.discard(i)
     regions = []
     for i, name in enumerate(order):
-        in_bytes, fwd_flops, measured = profiles[name]
+        in_bytes, fwd_flops, measured, out_of_memory = profiles[name]
         regions.append(
             RegionProfile(
                 name=name,
@@ -412,6 +446,7 @@ def _assemble(profiles, tl, order, static, quantized, device) -> ModelProfile:
                 backward_base=backward_base.get(i, forward_base[i] + in_bytes),
                 forward_flops=fwd_flops,
                 policies=measured,
+                out_of_memory=out_of_memory,
             )
         )
     return ModelProfile(tuple(regions), static, tuple(offsets), quantized, str(device))

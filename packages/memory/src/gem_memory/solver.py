@@ -31,6 +31,11 @@ def _region_cost(region, policy: str, cost: str) -> float:
     return region.recompute_ms(policy) if cost == "time" else region.recompute_flops(policy)
 
 
+def _fitting(region, policies) -> list[str]:
+    """The allowed policies the region was measured under (not those that ran out of memory)."""
+    return [p for p in policies if p in region.policies]
+
+
 def _step_peak(profile: ModelProfile, i: int, policy: str, kept: int) -> int:
     """Largest predicted term that region ``i`` under ``policy`` adds (static bytes excluded)."""
     region = profile.regions[i]
@@ -68,7 +73,7 @@ def solve(
     for i, region in enumerate(profile.regions):
         grown = []
         for kept, score, chosen in states:
-            for policy in policies:
+            for policy in _fitting(region, policies):
                 if _step_peak(profile, i, policy, kept) <= limit:
                     grown.append(
                         (
@@ -90,7 +95,7 @@ def _exhaustive(profile, budget_bytes, policies, cost):
             f"solver='exhaustive': at most {_EXHAUSTIVE_LIMIT} regions, got {len(profile.regions)}"
         )
     best = None
-    for chosen in itertools.product(policies, repeat=len(profile.regions)):
+    for chosen in itertools.product(*(_fitting(r, policies) for r in profile.regions)):
         if profile.predict_peak(chosen) > budget_bytes:
             continue
         score = 0.0
@@ -114,7 +119,7 @@ def min_peak(profile: ModelProfile, *, policies) -> tuple[int, tuple[str, ...]]:
                 (*chosen, policy),
             )
             for kept, peak, chosen in states
-            for policy in policies
+            for policy in _fitting(region, policies)
         ]
         states = _frontier(grown)
     kept, peak, chosen = min(states, key=lambda s: (s[1], s[0], s[2]))
