@@ -273,8 +273,8 @@ def largest_batch(model, args, device, dtype, deadline):
                 model, inputs, budget_bytes=int(0.9 * capacity), profile=profile
             )
         except (ValueError, torch.cuda.OutOfMemoryError) as exc:
-            # profiling runs each region alone under every policy, ``keep`` included: one
-            # region's keep-all forward + backward must fit, which bounds the batches it can plan
+            # profiling needs each region's ``full`` step to fit alone (policies that do not fit
+            # are left out of the plan); planning fails when no plan fits the budget
             stage = "profiling" if isinstance(exc, torch.cuda.OutOfMemoryError) else "planning"
             print(f"AutoAC at batch {b}, {stage}: {str(exc).splitlines()[0]}")
             break
