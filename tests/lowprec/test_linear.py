@@ -266,6 +266,32 @@ def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
     assert any(key[1:3] == (256, 640) and key[-1] == 2048 for key in unmeasured_keys())
     layer(x).sum().backward()
     assert [key[-1] for key in keys()] == [32768, 2048]
+    x = torch.randn(5000 // 16 * 16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).float().square().sum().backward()
+    assert any(key[1:3] == (256, 640) and key[-1] == 8192 for key in unmeasured_keys())
+    assert linear_mod.measure_pending() == 1
+    assert [key[-1] for key in keys()] == [32768, 2048, 8192] and not unmeasured_keys()
+
+
+def test_measure_pending_times_what_was_met_under_hooks(monkeypatch):
+    """``measure_pending`` times each key met only where timing was not allowed, with the shape
+    met, moves it to the measured decisions, and does nothing where timing is not allowed."""
+    import gem_lowprec.linear as linear_mod
+
+    calls = []
+    monkeypatch.setattr(linear_mod, "_MEASURED", {})
+    monkeypatch.setattr(linear_mod, "_UNMEASURED", {})
+    monkeypatch.setattr(
+        linear_mod, "_measure", lambda recipe, m, k, n, x, w: calls.append((m, k, n)) or (False, "")
+    )
+    key = (Recipe(), 256, 640, torch.bfloat16, 8192)
+    linear_mod._UNMEASURED[key] = (5000, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(linear_mod, "_timing_allowed", lambda x: False)
+    assert linear_mod.measure_pending() == 0 and linear_mod.unmeasured_keys() == [key]
+    monkeypatch.setattr(linear_mod, "_timing_allowed", lambda x: True)
+    assert linear_mod.measure_pending() == 1
+    assert calls == [(5000, 256, 640)] and linear_mod._MEASURED[key] == (False, "")
+    assert linear_mod.unmeasured_keys() == [] and linear_mod.measure_pending() == 0
 
 
 def test_benchmark_smoke_runs():

@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from gem_lowprec.linear import measure_pending
 
 from gem_train.components import Run, build_run
 from gem_train.config import TrainConfig
@@ -62,6 +63,7 @@ def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
     timer.mark("backward")
     run.clip_gradients()
     run.optimizer.step()
+    measure_pending()  # fp8-vs-BF16 timings of linears first met inside checkpointed blocks
     timer.mark("optimizer")
     return batch, logits, loss
 

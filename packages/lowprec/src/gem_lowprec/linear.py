@@ -30,8 +30,9 @@ rowwise; tokens not a multiple of 16) runs in BF16. On a GPU, fp8 is also timed 
 (forward + backward) once per (recipe, K, N, dtype, M rounded up to a power of two), and the
 faster kept. The timing never runs inside a backward (checkpoint recomputation), under
 saved-tensor hooks (a checkpointed forward, activation offloading) or a dispatch mode: such a
-call takes the fp8 path unmeasured, the key is timed at its first call outside them, and a
-recomputation reuses the choice its own forward made. Every fallback is warned about once and
+call takes the fp8 path unmeasured, the key is timed at its first call outside them (or by
+``measure_pending()``, which a training loop calls between steps for layers that only ever run
+inside checkpointed regions), and a recomputation reuses the choice its own forward made. Every fallback is warned about once and
 listed by ``fallback_report()``.
 """
 
@@ -65,7 +66,28 @@ def unmeasured_keys() -> list[tuple]:
     return sorted(_UNMEASURED, key=str)
 
 
-_UNMEASURED: set[tuple] = set()
+def measure_pending() -> int:
+    """Time every decision that so far was met only where timing is not allowed (inside
+    checkpointed, hooked or recomputed calls, which meanwhile run fp8 unmeasured), on random
+    inputs of the shape met, so that those calls follow the measurement from then on. Call it in
+    a plain context, e.g. between training steps; it returns how many keys it measured (0, at no
+    cost, when none is pending or timing is not allowed here)."""
+    measured = 0
+    for key, (m, device, w_dtype) in list(_UNMEASURED.items()):
+        recipe, k, n, x_dtype, _ = key
+        probe_x = torch.empty(0, device=device, dtype=x_dtype)
+        if not _timing_allowed(probe_x):
+            break
+        _MEASURED[key] = _measure(
+            recipe, m, k, n, probe_x, torch.empty(0, device=device, dtype=w_dtype)
+        )
+        del _UNMEASURED[key]
+        measured += 1
+    return measured
+
+
+# key -> (M met, device, weight dtype): what ``measure_pending`` needs to time it later
+_UNMEASURED: dict[tuple, tuple[int, torch.device, torch.dtype]] = {}
 
 
 def m_bucket(m: int) -> int:
@@ -257,9 +279,9 @@ def use_fp8(recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Te
         key = (recipe, k, n, x.dtype, m_bucket(m))
         if key not in _MEASURED:
             if not _timing_allowed(x):
-                _UNMEASURED.add(key)
+                _UNMEASURED.setdefault(key, (m, x.device, w.dtype))
                 return True
-            _UNMEASURED.discard(key)
+            _UNMEASURED.pop(key, None)
             _MEASURED[key] = _measure(recipe, m, k, n, x, w)
         use, measured_why = _MEASURED[key]
         why = None if use else measured_why
