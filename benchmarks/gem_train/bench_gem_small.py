@@ -26,7 +26,9 @@ all-on row, the top kernels of one step from ``torch.profiler`` (and a Chrome tr
 
 A variant runs in its own process so that a crash (a sticky CUDA error) cannot poison the others;
 a variant that dies of a CUDA error is run again with ``CUDA_LAUNCH_BLOCKING=1`` for one step to
-name the operation that failed.
+name the operation that failed. ``--gpus N`` runs up to N variants at once, each on its own GPU of
+the host (the variants then share the host's CPU cores; the rows say nothing else about each
+other).
 
 Runtime on an H200 with ``--steps 8 --warmup 3``: about 40 s per jagged variant (the first one
 also compiles the Triton kernels) and longer for the padded ones, whose attention runs on every
@@ -38,9 +40,12 @@ import argparse
 import json
 import math
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -219,8 +224,11 @@ def child_main(args) -> None:
     print(RESULT + json.dumps(result, allow_nan=True), flush=True)
 
 
-def launch(name: str, args, *, local: bool, blocking: bool = False) -> tuple[dict | None, str]:
-    """Run one variant in a fresh process; ``(result or None, the output's tail)``."""
+def launch(
+    name: str, args, *, local: bool, gpu: int | None, blocking: bool = False
+) -> tuple[dict | None, str]:
+    """Run one variant in a fresh process (on GPU ``gpu`` of the host when given);
+    ``(result or None, the output's tail)``."""
     command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--sync-steps", str(args.sync_steps)]  # fmt: skip
     if args.smoke:
@@ -230,6 +238,8 @@ def launch(name: str, args, *, local: bool, blocking: bool = False) -> tuple[dic
     if args.profile and name == "all on":
         command += ["--profile", args.profile]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     if blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
         command[command.index("--steps") + 1] = "1"
@@ -256,6 +266,9 @@ def main() -> None:
     parser.add_argument("--sync-steps", type=int, default=2, help="steps counted for host syncs")
     parser.add_argument("--profile", default=None, help="folder: profile one all-on step there")
     parser.add_argument("--variant-timeout", type=int, default=420, help="seconds per variant")
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="variants run at once, one GPU of the host each"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--local", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -268,30 +281,54 @@ def main() -> None:
     args.warmup = args.warmup or (1 if args.smoke else 3)
     if args.child is not None:
         return child_main(args)
+    if args.gpus < 1:
+        raise SystemExit(f"--gpus: expected at least 1, got {args.gpus}")
+    if not args.smoke and args.gpus > torch.cuda.device_count():
+        raise SystemExit(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPUs are visible")
     unknown = set(args.only or ()) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"--only: unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     print(f"A2 gem-small: {common.environment()}; {args.warmup} warm-up + {args.steps} timed "
           "steps per variant, each variant in its own process")  # fmt: skip
-    results, local_of = {}, {}
-    for name, flags in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
-        numerics = tuple(flags.get(k) for k in NUMERICS)
-        t0 = time.perf_counter()
-        result, tail = launch(name, args, local=numerics not in local_of)
-        print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        if result is None:
-            print(f"  {name} FAILED; the end of its output:\n{_indent(tail)}")
-            if "CUDA error" in tail or "illegal memory access" in tail:
-                _, blocking_tail = launch(name, args, local=False, blocking=True)
-                print(f"  {name} again with CUDA_LAUNCH_BLOCKING=1:\n{_indent(blocking_tail)}")
-            result = {"qps": float("nan")}
-        else:
-            print(_one_line(result), flush=True)  # kept even if a later variant stops the run
-            if numerics not in local_of:
-                local_of[numerics] = (result["local_mfu"], result["layers"])
-        results[name] = (result, numerics)
+    names = [n for n in VARIANTS if not args.only or n in args.only]
+    numerics_of = {n: tuple(VARIANTS[n].get(k) for k in NUMERICS) for n in names}
+    measures_local = {}  # the first variant of each numerics setup measures its Local MFU
+    for name in names:
+        measures_local.setdefault(numerics_of[name], name)
+    gpus = queue.Queue()
+    for gpu in range(args.gpus):
+        gpus.put(gpu if args.gpus > 1 else None)
+    printing = threading.Lock()
+
+    def run_one(name: str) -> dict:
+        gpu = gpus.get()
+        try:
+            local = measures_local[numerics_of[name]] == name
+            t0 = time.perf_counter()
+            result, tail = launch(name, args, local=local, gpu=gpu)
+            lines = [f"  {name}: {time.perf_counter() - t0:.0f} s"]
+            if result is None:
+                lines.append(f"  {name} FAILED; the end of its output:\n{_indent(tail)}")
+                if "CUDA error" in tail or "illegal memory access" in tail:
+                    _, again = launch(name, args, local=False, gpu=gpu, blocking=True)
+                    lines.append(f"  {name} again with CUDA_LAUNCH_BLOCKING=1:\n{_indent(again)}")
+                result = {"qps": float("nan")}
+            else:
+                lines.append(_one_line(result))
+            with printing:  # each finished variant's lines at once, kept if a later one stops
+                print("\n".join(lines), flush=True)
+            return result
+        finally:
+            gpus.put(gpu)
+
+    with ThreadPoolExecutor(max_workers=args.gpus) as pool:
+        finished = dict(zip(names, pool.map(run_one, names), strict=True))
+    results = {name: (finished[name], numerics_of[name]) for name in names}
+    local_of = {
+        numerics: (finished[name]["local_mfu"], finished[name]["layers"])
+        for numerics, name in measures_local.items()
+        if "local_mfu" in finished[name]
+    }
     report(results, local_of)
 
 

@@ -8,8 +8,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gem_train" / "ben
 
 
 def test_a2_smoke_runs_the_optimised_and_native_models():
+    """Both variants at once (``--gpus 2``: on the CPU, two processes side by side)."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--steps", "1", "--sync-steps", "0", "--only", "all on", "PyTorch-native"],
+        [sys.executable, str(SCRIPT), "--smoke", "--steps", "1", "--sync-steps", "0", "--gpus", "2",
+         "--only", "all on", "PyTorch-native"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
