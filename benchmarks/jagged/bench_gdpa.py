@@ -14,7 +14,8 @@ Rows marked ``(graph)`` time CUDA-graph replays of the same step: the kernels al
 the host-side cost of building work lists and dispatching (what a compiled, graph-captured
 training step pays). ``--quick`` keeps the rows the goals name (under a minute on an H200): on J1
 everything above, on J3 and J4 GDPA beside padded SDPA (their goal's anchor), and drops the
-host-overhead rows. ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors)
+host-overhead rows; ``--only J3 J4`` runs those workloads alone (a J1 run spends most of its time
+compiling the anchors). ``--smoke`` runs tiny sizes on the CPU (Triton interpreter, eager anchors)
 to catch errors fast; ``--sweep`` also times a few tile configurations of the project's kernels.
 """
 
@@ -204,12 +205,14 @@ def measure_each(fns, workload, label, backward, bench, anchor_bench) -> dict[st
     return ms
 
 
-def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
+def run(smoke: bool, do_sweep: bool, quick: bool, only: tuple[str, ...] = ()) -> None:
     device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
     bench, anchor_bench = ab.benches(smoke, quick=quick)
     print(f"# GDPA (SiLU), {common.environment()}, {dtype}, N={heads}, D={head_dim}")
     rows, headline = [], {}
     for w in workloads(smoke):
+        if only and w.name not in only:
+            continue
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         pq, pk, pv, pdo, key_mask = padded_inputs(w, q, k, v, do, device)
         padded_sdpa = ab.padded_sdpa_fn(causal=w.causal, key_mask=key_mask)
@@ -246,7 +249,7 @@ def run(smoke: bool, do_sweep: bool, quick: bool) -> None:
                 if "gdpa (graph)" in ms:  # graph against graph where the anchor has one
                     anchor = ms.get(f"{name} (graph)", ms[name])
                     headline[f"{key}_graph_x_{slug}"] = anchor / ms["gdpa (graph)"]
-    if device == "cuda" and not quick:
+    if device == "cuda" and not quick and (not only or "J3" in only):
         overhead(rows, workloads(smoke)[1])
     common.print_table(
         f"GDPA useful TFLOP/s, {common.environment()}",
@@ -265,5 +268,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--quick", action="store_true", help="only the rows the goals name (< 1 min on an H200)"
     )
+    parser.add_argument(
+        "--only", nargs="+", choices=("J1", "J3", "J4"), default=(), help="workloads to run"
+    )
     args = parser.parse_args()
-    run(args.smoke, args.sweep, args.quick)
+    run(args.smoke, args.sweep, args.quick, tuple(args.only))
