@@ -21,8 +21,8 @@ mfu``; measured once per distinct numerics and reused by the rows that share the
 
 Where the time goes, per row: a ``profiling.StepTimer`` splits each timed step into data, forward,
 backward, optimizer and metrics, on the GPU timeline and on the host; a few extra steps run under
-CUDA's sync debug mode and count the host syncs by source line. ``--profile DIR`` adds, for the
-all-on row, the top kernels of one step from ``torch.profiler`` (and a Chrome trace in DIR).
+CUDA's sync debug mode and count the host syncs by source line. ``--profile DIR`` adds, for every
+row, the top kernels of one step from ``torch.profiler`` (and a Chrome trace per row in DIR).
 
 A variant runs in its own process so that a crash (a sticky CUDA error) cannot poison the others;
 a variant that dies of a CUDA error is run again with ``CUDA_LAUNCH_BLOCKING=1`` for one step to
@@ -174,7 +174,7 @@ def profile_step(fn, folder: str) -> list:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    trace = Path(folder) / "a2_all_on_step.json"
+    trace = Path(folder) / "a2_step.json"
     prof.export_chrome_trace(str(trace))
     rows = [
         (e.key, e.count, e.self_device_time_total / 1e3)
@@ -235,8 +235,11 @@ def launch(
         command.append("--smoke")
     if local:
         command.append("--local")
-    if args.profile and name == "all on":
-        command += ["--profile", args.profile]
+    if args.profile:
+        command += [
+            "--profile",
+            str(Path(args.profile) / "".join(c if c.isalnum() else "_" for c in name)),
+        ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -264,7 +267,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per variant")
     parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
     parser.add_argument("--sync-steps", type=int, default=2, help="steps counted for host syncs")
-    parser.add_argument("--profile", default=None, help="folder: profile one all-on step there")
+    parser.add_argument(
+        "--profile", default=None, help="folder: profile one step of each row there"
+    )
     parser.add_argument("--variant-timeout", type=int, default=420, help="seconds per variant")
     parser.add_argument(
         "--gpus", type=int, default=1, help="variants run at once, one GPU of the host each"
@@ -376,16 +381,18 @@ def report(results: dict, local_of: dict) -> None:
                 ["layer", "GFLOP", "ms", "TFLOP/s", "MFU"],
                 [[x["layer"], x["gflop"], x["ms"], x["tflops"], x["mfu"]] for x in layers],
             )
-    profiled = next((r["kernels"] for r in ok.values() if r.get("kernels")), None)
-    if profiled and profiled["top"]:
+    for name, r in ok.items():
+        profiled = r.get("kernels")
+        if not profiled or not profiled["top"]:
+            continue
         common.print_table(
-            "all on: top kernels of one profiled step (device time)",
+            f"{name}: top kernels of one profiled step (device time)",
             ["kernel", "calls", "ms"],
             [[k[:70], n, ms] for k, n, ms in profiled["top"]],
         )
-        split = profiled["split"]
-        if split:
-            print("all on, one profiled step, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
+        if profiled["split"]:
+            print(f"{name}, one profiled step, ms: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in profiled["split"].items())
                   + " (span = kernels + idle; idle = the GPU waiting for the host)")  # fmt: skip
     common.print_table(
         "A2: gem-small, one GPU (MFU against the datasheet BF16 peak)",
