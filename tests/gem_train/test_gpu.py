@@ -77,3 +77,28 @@ def test_kernels_match_the_padded_model_on_cuda(small, autocast_bf16):
         grad_bound = 5e-2 * grad_r.abs().max().item()
     assert _error(logits_j, logits_r) <= logits_bound
     assert _error(grad_j, grad_r) <= grad_bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["none", "mxfp8"])
+def test_training_steps_stop_compiling_kernels(small, recipe):
+    """After a few steps, a step of fresh jagged batches compiles no Triton kernel: each new
+    variant costs hundreds of ms of host time, and batch-dependent specialisations once made
+    gem-small's steps 5–10× slower than their kernels (docs/performance.md)."""
+    from gem_jagged.testing import compiled_kernel_variants
+    from gem_train.components import build_run
+    from gem_train.profiling import StepTimer
+    from gem_train.train import train_step
+
+    cfg = small(**GPU, steps=16, lowprec__recipe=recipe, lowprec__autocast_bf16=True)
+    run = build_run(cfg)
+    timer = StepTimer(run.device, enabled=False)
+    for step in range(8):
+        train_step(run, next(run.batches), step, timer)
+    before = compiled_kernel_variants()
+    for step in range(8, 16):
+        train_step(run, next(run.batches), step, timer)
+    torch.cuda.synchronize()
+    assert compiled_kernel_variants() == before, (
+        f"steps 8–15 compiled {compiled_kernel_variants() - before} new kernel variants"
+    )

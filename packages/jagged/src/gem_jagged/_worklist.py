@@ -8,7 +8,7 @@ holding ``T`` tokens in total has at most
 
     Σ_b ceil(L_b / BLOCK) ≤ Σ_b (L_b / BLOCK + 1) < cdiv(T, BLOCK) + B
 
-tiles. The list is built with a handful of device ops:
+tiles (rounded up to a multiple of 16, see ``SLOT_MULTIPLE``). The list is built with a handful of device ops:
 
 1. ``tiles_b = cdiv(L_b, BLOCK)`` and their running sum ``tile_ends``;
 2. work slot ``w`` belongs to the sequence ``searchsorted(tile_ends, w, right=True)`` and starts
@@ -67,6 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_jagged._jit import jit
+
 __all__ = ["TileWorkList", "query_tiles", "key_tiles", "tile_slot_bound", "clear_cache"]
 
 
@@ -110,14 +112,22 @@ class TileWorkList:
 
 
 def tile_slot_bound(total: int, batch: int, block: int) -> int:
-    """Upper bound on the tiles of ``batch`` sequences of ``total`` tokens (host ints only)."""
-    return max(1, -(-total // block) + batch)
+    """Upper bound on the tiles of ``batch`` sequences of ``total`` tokens (host ints only),
+    rounded up to a multiple of ``SLOT_MULTIPLE``."""
+    bound = -(-total // block) + batch
+    return max(SLOT_MULTIPLE, -(-bound // SLOT_MULTIPLE) * SLOT_MULTIPLE)
 
 
 _SLOTS_PER_PROGRAM = 128
 
+# Slot counts are rounded up to this multiple so that neither the count nor the 16-byte alignment
+# of a list's rows (slices of one buffer, ``W`` int32 apart) changes with the batch: Triton
+# compiles a kernel anew for every combination of argument divisibility and pointer alignment it
+# meets, and a list whose rows drift in and out of alignment made every new batch a compile.
+SLOT_MULTIPLE = 16
 
-@triton.jit
+
+@jit
 def _owner_of(ends_E, num_ends, slots_W, search_steps):
     """Index of the first ``ends[e] > slot`` for each slot (binary search; ``num_ends`` if none)."""
     lo_W = tl.zeros_like(slots_W)
@@ -132,7 +142,7 @@ def _owner_of(ends_E, num_ends, slots_W, search_steps):
     return lo_W
 
 
-@triton.jit
+@jit
 def _tile_slots_kernel(
     tiled_offsets_Bp1, other_offsets_Bp1, tile_ends_B, fields_FW, cost_W,
     num_seqs, num_slots, search_steps, block, align, split_rows, max_splits,
@@ -196,7 +206,7 @@ def _tile_slots_kernel(
     tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1).to(tl.int32), mask=in_range_W)
 
 
-@triton.jit
+@jit
 def _split_slots_kernel(
     tiles_FT, split_ends_T, fields_FW, cost_W, num_tiles, num_slots, search_steps, block,
     SLOTS: tl.constexpr,
@@ -227,7 +237,7 @@ def _split_slots_kernel(
     tl.store(cost_W + slots_W, tl.where(valid_W, cost_W_, -1).to(tl.int32), mask=in_range_W)
 
 
-@triton.jit
+@jit
 def _running_sum_kernel(
     counts_B, ends_B, num_items, block, FROM_OFFSETS: tl.constexpr, CHUNK: tl.constexpr
 ):  # fmt: skip
@@ -282,7 +292,7 @@ def _tile_slots(tiled_offsets, other_offsets, *, total, block, causal, key_tiles
     )  # fmt: skip
 
 
-@triton.jit
+@jit
 def _rank_scatter_kernel(fields_FW, cost_W, out_5W, num_slots, SLOTS: tl.constexpr):
     """Write each slot's five fields at its rank in the heaviest-first order.
 

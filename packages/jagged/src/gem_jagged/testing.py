@@ -14,11 +14,23 @@ them (install with the ``testing`` extra, which brings hypothesis):
     in that same dtype. The kernel's error must be at most ``factor`` times the reference's
     (2× for forward outputs, 5× for gradients), plus a floor of a few ulps of the output's scale so
     that an exactly-representable case does not demand exactness.
+
+``compiled_kernel_variants``
+    How many compiled variants the Triton kernels of the loaded modules hold (on a GPU). A kernel
+    that specialises on a batch-dependent integer compiles again on new batches; the count
+    staying put over a run of fresh batches is the test that it does not.
 """
+
+import sys
 
 import torch
 
-__all__ = ["jagged_lengths", "offsets_from_lengths", "assert_within_reference_error"]
+__all__ = [
+    "jagged_lengths",
+    "offsets_from_lengths",
+    "assert_within_reference_error",
+    "compiled_kernel_variants",
+]
 
 _EPS = {
     torch.float16: 2.0**-10,
@@ -109,3 +121,19 @@ def assert_within_reference_error(
             f"{name}: max error {err_actual:.3e} against fp64 exceeds {factor}x the reference's "
             f"{err_ref:.3e} in {reference_lowp.dtype} (+ floor {floor:.1e}) = {bound:.3e}"
         )
+
+
+def compiled_kernel_variants(module_prefix: str = "gem_") -> int:
+    """Compiled variants held by every Triton kernel defined in the loaded modules whose name
+    starts with ``module_prefix``, over all devices (0 under the interpreter, which compiles
+    nothing)."""
+    from triton.runtime.jit import JITFunction
+
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(module_prefix) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, JITFunction):
+                count += sum(len(caches[0]) for caches in value.device_caches.values())
+    return count

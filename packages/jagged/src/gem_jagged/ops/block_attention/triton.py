@@ -32,12 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_jagged._jit import jit
+
 from ..gdpa._offsets_cache import OffsetsCache
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+@jit
 def _rope_trig(pos_M, LOG2_THETA, H: tl.constexpr, H2: tl.constexpr):
     """``cos, sin [M, H2]`` of ``pos · theta^(−2d/H)``."""
     inv_freq = tl.exp2(-(tl.arange(0, H2).to(tl.float32) * 2.0 / H) * LOG2_THETA)
@@ -45,7 +47,7 @@ def _rope_trig(pos_M, LOG2_THETA, H: tl.constexpr, H2: tl.constexpr):
     return tl.cos(angle), tl.sin(angle)
 
 
-@triton.jit
+@jit
 def _load_halves(ptr, rows, valid, stride_t, head, H: tl.constexpr, H2: tl.constexpr):
     col = head * H + tl.arange(0, H2)
     base = ptr + rows.to(tl.int64)[:, None] * stride_t + col[None, :]
@@ -54,7 +56,7 @@ def _load_halves(ptr, rows, valid, stride_t, head, H: tl.constexpr, H2: tl.const
     return lo, hi
 
 
-@triton.jit
+@jit
 def _store_halves(ptr, rows, valid, stride_t, head, lo, hi, H: tl.constexpr, H2: tl.constexpr):
     col = head * H + tl.arange(0, H2)
     base = ptr + rows.to(tl.int64)[:, None] * stride_t + col[None, :]
@@ -62,7 +64,7 @@ def _store_halves(ptr, rows, valid, stride_t, head, lo, hi, H: tl.constexpr, H2:
     tl.store(base + H2, hi.to(ptr.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit
+@jit
 def _mm(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
@@ -70,7 +72,7 @@ def _mm(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@jit
 def _block_ends_kernel(offsets_Bp1, block_ends_B, num_seqs, block_size, CHUNK: tl.constexpr):
     """One program: ``block_ends[b] = Σ_{c ≤ b} cdiv(L_c, block_size)``, CHUNK sequences a step."""
     carry = tl.zeros((), tl.int32)
@@ -84,7 +86,7 @@ def _block_ends_kernel(offsets_Bp1, block_ends_B, num_seqs, block_size, CHUNK: t
         carry += tl.sum(blocks, axis=0)
 
 
-@triton.jit
+@jit
 def _owned_block(block_ends_B, num_seqs, block_size, SEARCH: tl.constexpr):
     """(sequence, first position) of this program's block; sequence ``num_seqs`` if none."""
     pid = tl.program_id(0)
@@ -97,7 +99,7 @@ def _owned_block(block_ends_B, num_seqs, block_size, SEARCH: tl.constexpr):
     return seq, (pid - first_block) * block_size
 
 
-@triton.jit
+@jit
 def _block_probs(
     q_ptr, k_ptr, offsets_ptr, seq, block_start, stride_qt, stride_kt,
     block_size, scale, LOG2_THETA,
@@ -137,7 +139,7 @@ def _block_probs(
     return head, rows, valid, q1, q2, k1, k2, cos, sin, p_MK
 
 
-@triton.jit
+@jit
 def _block_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, block_ends_B, num_seqs,
     stride_qt, stride_kt, stride_vt, stride_ot, block_size, scale, LOG2_THETA,
@@ -159,7 +161,7 @@ def _block_attention_fwd_kernel(
     _store_halves(out_ptr, rows, valid, stride_ot, head, _mm(p, v1, IEEE), _mm(p, v2, IEEE), H, H2)
 
 
-@triton.jit
+@jit
 def _block_attention_bwd_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, offsets_ptr, block_ends_B, num_seqs,
     stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt, stride_dkt, stride_dvt,

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_jagged._jit import jit
+
 from ..._worklist import TileWorkList, key_tiles, query_tiles
 from ._offsets_cache import OffsetsCache
 
@@ -57,14 +59,14 @@ def activation_code(activation: str, dtype: torch.dtype, device: torch.device) -
     return ACTIVATION_CODES[activation]
 
 
-@triton.jit
+@jit
 def _tanh_approx(x):
     return tl.inline_asm_elementwise(
         "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
     )
 
 
-@triton.jit
+@jit
 def _activation_and_slope(s, ACT: tl.constexpr):
     """``act(s)`` and ``act'(s)`` in fp32."""
     if ACT == 6:  # silu, one MUFU op
@@ -99,7 +101,7 @@ def _activation_and_slope(s, ACT: tl.constexpr):
         return s, tl.full(s.shape, 1.0, tl.float32)
 
 
-@triton.jit
+@jit
 def _activation(s, ACT: tl.constexpr):
     if ACT == 6:
         return s * (0.5 + 0.5 * _tanh_approx(0.5 * s))
@@ -123,13 +125,13 @@ def _activation(s, ACT: tl.constexpr):
         return s
 
 
-@triton.jit
+@jit
 def _bias_buckets(offs_m, offs_n, RADIUS):
     rel = offs_n[None, :] - offs_m[:, None]
     return tl.minimum(tl.maximum(rel, -RADIUS), RADIUS) + RADIUS
 
 
-@triton.jit
+@jit
 def _accumulate_bias_grad(acc_NB, ds, bucket, NB_POW2: tl.constexpr):
     """Add the sum of ``ds`` over each bucket into ``acc_NB`` (one pass per bucket the tile touches).
 
@@ -144,7 +146,7 @@ def _accumulate_bias_grad(acc_NB, ds, bucket, NB_POW2: tl.constexpr):
     return acc_NB
 
 
-@triton.jit
+@jit
 def _mm(a, b, IEEE: tl.constexpr):
     """``a @ b`` in fp32; exact fp32 products for fp32 inputs (no tf32)."""
     if IEEE:
@@ -153,7 +155,7 @@ def _mm(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@jit
 def _sequence(
     q_offsets_ptr, kv_offsets_ptr, seq, num_seeds, BROADCAST_Q: tl.constexpr
 ):  # fmt: skip
@@ -171,7 +173,7 @@ def _sequence(
     return q_begin, q_len, out_begin, kv_begin, kv_len
 
 
-@triton.jit
+@jit
 def _load_rows(ptr, begin, offs, length, stride, head_col):
     return tl.load(
         ptr + (begin + offs)[:, None] * stride + head_col[None, :],
@@ -180,7 +182,7 @@ def _load_rows(ptr, begin, offs, length, stride, head_col):
     )
 
 
-@triton.jit
+@jit
 def _causal(offs_m, offs_n, diag):
     """Bottom-right causal visibility: key ``j`` is seen by query ``i`` when ``j ≤ i + Lk − Lq``.
 
@@ -190,7 +192,7 @@ def _causal(offs_m, offs_n, diag):
     return offs_n[None, :] <= offs_m[:, None] + diag
 
 
-@triton.jit
+@jit
 def _fwd_tile(
     acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt, stride_vt,
     head_col, rel_bias_ptr, head, RADIUS, scale, diag,
@@ -211,7 +213,7 @@ def _fwd_tile(
     return acc_MH + _mm(p_MN.to(v_NH.dtype), v_NH, IEEE)
 
 
-@triton.jit
+@jit
 def _gdpa_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr,
     q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, hi_W_ptr,
@@ -270,7 +272,7 @@ def _gdpa_fwd_kernel(
         tl.store(out_ptrs, acc_MH.to(out_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
-@triton.jit
+@jit
 def _dkdv_tile(
     dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
     out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head, RADIUS,
@@ -316,7 +318,7 @@ def _dkdv_tile(
     return dk_NH, dv_NH, dbias_NB
 
 
-@triton.jit
+@jit
 def _gdpa_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
     q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, lo_W_ptr, hi_W_ptr,
@@ -383,7 +385,7 @@ def _gdpa_bwd_dkdv_kernel(
         tl.store(dbias_WNB_ptr + (pid * num_heads + head) * NB_POW2 + idx, dbias_NB)
 
 
-@triton.jit
+@jit
 def _dq_tile(
     dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
     stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
@@ -409,7 +411,7 @@ def _dq_tile(
     return dq_MH, dbias_NB
 
 
-@triton.jit
+@jit
 def _gdpa_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
     q_offsets_ptr, kv_offsets_ptr, seq_W_ptr, start_W_ptr, hi_W_ptr,

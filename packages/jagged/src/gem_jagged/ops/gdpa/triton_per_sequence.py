@@ -26,8 +26,9 @@ tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the wo
 """
 
 import torch
-import triton
 import triton.language as tl
+
+from gem_jagged._jit import jit
 
 from .triton import (
     GdpaTiles,
@@ -40,7 +41,7 @@ from .triton import (
 )
 
 
-@triton.jit
+@jit
 def _gdpa_fwd_seq_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr, q_offsets_ptr, kv_offsets_ptr,
     stride_qt, stride_kt, stride_vt, stride_ot,
@@ -100,7 +101,7 @@ def _gdpa_fwd_seq_kernel(
             tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
 
 
-@triton.jit
+@jit
 def _gdpa_bwd_dkdv_seq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
     q_offsets_ptr, kv_offsets_ptr,
@@ -185,7 +186,7 @@ def _gdpa_bwd_dkdv_seq_kernel(
                 tl.store(dbias_ptrs, dbias_NB)
 
 
-@triton.jit
+@jit
 def _gdpa_bwd_dq_seq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
     q_offsets_ptr, kv_offsets_ptr, stride_qt, stride_kt, stride_vt, stride_dot, stride_dqt,

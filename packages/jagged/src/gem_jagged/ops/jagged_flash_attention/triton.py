@@ -48,9 +48,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
+from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
 LOG2E = 1.4426950408889634
@@ -156,14 +156,14 @@ def dkdv_splits(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _load_sequence(offsets_Bp1, seq):
     begin = tl.load(offsets_Bp1 + seq).to(tl.int64)
     end = tl.load(offsets_Bp1 + seq + 1).to(tl.int64)
     return begin, (end - begin).to(tl.int32)
 
 
-@triton.jit
+@jit
 def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
     """``bias[clamp(j − i, −R, R) + R]`` for a [M, Nk] tile, as float32."""
     rel_MN = cols_N[None, :] - rows_M[:, None]
@@ -176,7 +176,7 @@ def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _fwd_key_blocks(
     acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2,
     rows_M, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
@@ -221,7 +221,7 @@ def _fwd_key_blocks(
     return acc_MH, l_M, m_M
 
 
-@triton.jit
+@jit
 def _jfa_fwd_kernel(
     q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq, bias_NR2,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
@@ -290,7 +290,7 @@ def _jfa_fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _dkdv_query_blocks(
     dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
     cols_N, q_len, diag, start, stop, qk_scale_log2, radius, stride_t,
@@ -325,7 +325,7 @@ def _dkdv_query_blocks(
     return dk_NH, dv_NH
 
 
-@triton.jit
+@jit
 def _jfa_dkdv_kernel(
     q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2,
     dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
@@ -392,7 +392,7 @@ def _jfa_dkdv_kernel(
         tl.store(dv_TkNH + kv_offsets_NH, dv_NH.to(out_ty), mask=col_ok_N[:, None])
 
 
-@triton.jit
+@jit
 def _jfa_dkdv_finish_kernel(
     dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
     kv_offsets_Bp1, work_seq_W, work_start_W, work_splits_W, num_heads,
@@ -425,7 +425,7 @@ def _jfa_dkdv_finish_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _dq_key_blocks(
     dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
     dbias_row_R2, rows_M, q_start, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
@@ -481,7 +481,7 @@ def _dq_key_blocks(
     return dq_MH
 
 
-@triton.jit
+@jit
 def _jfa_dq_kernel(
     q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2, dq_TqNH,
     dbias_part_PR2,
