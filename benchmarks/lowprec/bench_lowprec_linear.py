@@ -13,9 +13,13 @@ what limits each recipe. ``--smoke`` runs tiny shapes on the CPU (emulated GEMMs
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+
+if "--smoke" in sys.argv:  # on the CPU the Triton kernels (--sweep) run under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -24,7 +28,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gem_lowprec import LowPrecisionLinear  # noqa: E402
 from gem_lowprec.linear import fallback_report  # noqa: E402
-from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows  # noqa: E402
+from gem_lowprec.ops.fp8_cast import cast_both, cast_columns, cast_rows  # noqa: E402
+from gem_lowprec.ops.fp8_cast import triton as fp8_kernels  # noqa: E402
 from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa: E402
 from gem_lowprec.scaled_matmul import (  # noqa: E402
     blockwise_matmul,
@@ -72,7 +77,7 @@ def rowwise_pieces(x, w, dy, fp8_wgrad: bool):
     (m, k), n = x.shape, w.shape[0]
     fold_into_dy = fp8_wgrad and k > n
     xr = cast_rows(x, E4M3, transposed=fold_into_dy)
-    wr, (wt, wts) = cast_rows(w, E4M3), cast_columns(w, E4M3)
+    wq, ws, wt, wts = cast_both(w, E4M3)
     dyr = cast_rows(
         dy,
         E4M3,
@@ -82,14 +87,14 @@ def rowwise_pieces(x, w, dy, fp8_wgrad: bool):
     gemm = 2 * m * k * n
     out = [
         (f"cast x rows{' + xᵀ' if fold_into_dy else ''}", lambda: cast_rows(x, E4M3, transposed=fold_into_dy), m * k * (3 + fold_into_dy), "cast"),
-        ("cast W rows + columns", lambda: (cast_rows(w, E4M3), cast_columns(w, E4M3)), n * k * 8, "cast"),
+        ("cast W rows + columns (2 launches)", lambda: cast_both(w, E4M3), n * k * 6, "cast"),
         (
             f"cast dy rows{' + dyᵀ' if fp8_wgrad and not fold_into_dy else ''}{' + col amax' if fold_into_dy else ''}",
             lambda: cast_rows(dy, E4M3, transposed=fp8_wgrad and not fold_into_dy, col_amax_row_mult=xr.scale if fold_into_dy else None),
             m * n * (3 + (fp8_wgrad and not fold_into_dy)),
             "cast",
         ),
-        ("GEMM y (fast accum)", lambda: rowwise_matmul(xr.data, xr.scale, wr.data, wr.scale, x.dtype, fast_accum=True), gemm, "gemm"),
+        ("GEMM y (fast accum)", lambda: rowwise_matmul(xr.data, xr.scale, wq, ws, x.dtype, fast_accum=True), gemm, "gemm"),
         ("GEMM dx", lambda: rowwise_matmul(dyr.data, dyr.scale, wt, wts, x.dtype), gemm, "gemm"),
     ]  # fmt: skip
     if not fp8_wgrad:
@@ -138,9 +143,61 @@ def mx_pieces(x, w, dy, fp8_wgrad: bool):
     ]
 
 
+ROWS_SWEEP = [
+    fp8_kernels.RowsTiles(16, 512, 8, 32),
+    fp8_kernels.RowsTiles(16, 1024, 8, 32),
+    fp8_kernels.RowsTiles(32, 256, 8, 32),
+    fp8_kernels.RowsTiles(32, 512, 8, 32),
+    fp8_kernels.RowsTiles(32, 512, 8, 16),
+    fp8_kernels.RowsTiles(32, 512, 8, 48),
+    fp8_kernels.RowsTiles(64, 256, 8, 32),
+]
+BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(16, 256, 32, 128, 32, 128, 4)]
+
+
+def sweep_casts(bench, device: str, tokens: int, shapes: list[tuple[int, int]]) -> None:
+    """``--sweep``: the rows kernel (with and without the transposed copy) and the weight's
+    both-ways cast under several launch shapes, in TB/s of bytes read once + written."""
+    from gem_lowprec.formats import elem_format
+
+    e4m3 = elem_format(E4M3)
+    rows = []
+    for c in sorted({k for k, _ in shapes}):
+        x = torch.randn(tokens, c, device=device).to(torch.bfloat16)
+        for transposed in (False, True):
+            for t in ROWS_SWEEP:
+                ms = bench(
+                    lambda t=t, x=x, tr=transposed: fp8_kernels.cast_rows(
+                        x, e4m3, transposed=tr, col_amax_row_mult=None, tiles=t
+                    ),
+                    warmup_ms=5,
+                    rep_ms=15,
+                )
+                moved = x.numel() * (3 + transposed)
+                rows.append(
+                    [
+                        f"rows{'+T' if transposed else ''} [{tokens}x{c}]",
+                        str(t),
+                        ms,
+                        moved / ms / 1e9,
+                    ]
+                )
+    for k, n in shapes:
+        w = torch.randn(n, k, device=device).to(torch.bfloat16)
+        for t in BOTH_SWEEP:
+            ms = bench(
+                lambda t=t, w=w: fp8_kernels.cast_both(w, e4m3, tiles=t), warmup_ms=5, rep_ms=20
+            )
+            rows.append([f"both [{n}x{k}]", str(t), ms, w.numel() * 6 / ms / 1e9])
+    common.print_table("fp8 cast launch-shape sweep", ["cast", "tiles", "ms", "TB/s"], rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument(
+        "--sweep", action="store_true", help="first sweep the fp8 casts' launch shapes"
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     tokens = 128 if args.smoke else 32768
@@ -154,6 +211,8 @@ def main():
         for wg in ("bf16", "fp8")
     ]
     print(common.environment())
+    if args.sweep:
+        sweep_casts(bench, device, tokens, shapes)
     totals, pieces, headline = [], [], {}
     for k, n in shapes:
         shape = f"{k}->{n}"

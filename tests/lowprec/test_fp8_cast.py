@@ -1,11 +1,11 @@
-"""The casts of the low-precision linear: the fp8 row-wise / column-wise casts of fp8_rowwise and
+"""The casts of the low-precision linear: the fp8 row-wise / column-wise / both-ways casts of fp8_rowwise and
 the both-ways MX quantize + 1×128 merge of mxfp8; Triton (the interpreter on the CPU, the
 hardware cast on a GPU) against the reference, bit for bit."""
 
 import pytest
 import torch
 from gem_lowprec.formats import E4M3
-from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows, reference
+from gem_lowprec.ops.fp8_cast import cast_both, cast_columns, cast_rows, reference
 from gem_lowprec.scaled_matmul import quantize_mx_k128_rowcol
 from gem_lowprec.testing import every_pattern_matrix, special_matrix
 
@@ -53,6 +53,9 @@ def _check_all(elem, device: str, backend: str) -> None:
             got = cast_columns(x, elem, row_mult=m, backend=backend)
             ref_m = None if m is None else m.cpu()
             _assert_same(got, cast_columns(x.cpu(), elem, row_mult=ref_m, backend="reference"))
+        _assert_same(
+            cast_both(x, elem, backend=backend), cast_both(x.cpu(), elem, backend="reference")
+        )
 
 
 @ELEMS
@@ -76,6 +79,12 @@ def test_reference_semantics():
     assert torch.equal(_bits(rows.data), _bits(cols[0])) and torch.equal(
         _bits(rows.scale), _bits(cols[1])
     )
+    both = cast_both(x, backend="reference")
+    _assert_same(both, (*cast_rows(x, backend="reference")[:2], *cols))
+    # a NaN column's amax is the canonical quiet NaN whatever the payload (GPUs drop payloads)
+    payload = torch.tensor([0x7FC00001, 0x3F800000], dtype=torch.int32).view(torch.float32)
+    amax = reference.column_amax(payload[:, None], torch.ones(2))
+    assert amax.view(torch.int32).tolist() == [0x7FC00000]
 
 
 def test_bad_inputs_are_named():

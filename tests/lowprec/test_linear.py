@@ -11,6 +11,17 @@ from gem_lowprec.testing import every_pattern_matrix, special_matrix
 from torch import nn
 
 
+@pytest.fixture(autouse=True)
+def fresh_decisions(monkeypatch):
+    """Each test starts with no fp8-vs-BF16 decisions, pending timings or fallbacks: they are
+    process-wide, and a key left pending by one test (a first call inside a checkpoint) would
+    be timed by another test's ``measure_pending()``."""
+    import gem_lowprec.linear as linear_mod
+
+    for name in ("_MEASURED", "_UNMEASURED", "_FALLBACKS"):
+        monkeypatch.setattr(linear_mod, name, {})
+
+
 def test_merge_k128_is_exact_while_values_stay_normal():
     gen = torch.Generator().manual_seed(0)
     # four blocks per 128 with magnitudes 1, 2, 4, 8: shifts of at most 3 binades stay normal
@@ -279,8 +290,6 @@ def test_measure_pending_times_what_was_met_under_hooks(monkeypatch):
     import gem_lowprec.linear as linear_mod
 
     calls = []
-    monkeypatch.setattr(linear_mod, "_MEASURED", {})
-    monkeypatch.setattr(linear_mod, "_UNMEASURED", {})
     monkeypatch.setattr(
         linear_mod, "_measure", lambda recipe, m, k, n, x, w: calls.append((m, k, n)) or (False, "")
     )
@@ -302,7 +311,11 @@ def test_benchmark_smoke_runs():
 
     script = Path(__file__).resolve().parents[2] / "benchmarks/lowprec/bench_lowprec_linear.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), "--smoke", "--sweep"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "G1 breakdown" in done.stdout and "sum of kernels" in done.stdout
+    assert "launch-shape sweep" in done.stdout

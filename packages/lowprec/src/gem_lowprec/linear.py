@@ -11,7 +11,8 @@ layout Hopper's tensor cores take, so ``torch._scaled_mm`` gets ``b.t()`` as a f
 | weight-grad dW  | dyᵀ, along M       | xᵀ, along M         | M (tokens)  |
 
 ``fp8_rowwise``: one power-of-two scale per row of each operand (``gem_lowprec.ops.fp8_cast``).
-W is cast twice per forward (rows for y, columns for dx) and both copies stay for the backward.
+W is cast both ways per forward (rows for y, columns for dx; ``cast_both``, two launches) and
+Wᵀ stays for the backward.
 x is cast once by a kernel that reads it once; dy likewise. The fp8 weight-gradient contracts
 over tokens, where a per-token scale cannot sit outside the GEMM; it is folded into the other
 operand instead: ``dW = Σ_m dy[m,:]ᵀ x[m,:] = Σ_m q_dy[m,:]ᵀ (s_m · x[m,:])`` with ``dy[m,:] ≈
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_lowprec.hadamard import random_hadamard
-from gem_lowprec.ops.fp8_cast import cast_columns, cast_rows
+from gem_lowprec.ops.fp8_cast import cast_both, cast_columns, cast_rows
 from gem_lowprec.recipes import Recipe
 from gem_lowprec.scaled_matmul import (
     blockwise_matmul,
@@ -126,9 +127,9 @@ class _RowwiseMatmul(torch.autograd.Function):
         # The smaller of x [M, K] and dy [M, N] takes the two-pass column cast (Hadamard: x).
         fold_into_dy = fp8_wgrad and k > n and recipe.weight_grad.hadamard_block is None
         xr = cast_rows(x, q.elem_dtype, transposed=fold_into_dy)
-        wr = cast_rows(w, q.elem_dtype)
-        wt, wt_scale = cast_columns(w, q.elem_dtype)  # Wᵀ [K, N], a scale per k
-        y = rowwise_matmul(xr.data, xr.scale, wr.data, wr.scale, out_dtype, fast_accum=True)
+        # W along K for y, Wᵀ [K, N] (a scale per k) for dx: both from one kernel pair
+        w_q, w_scale, wt, wt_scale = cast_both(w, q.elem_dtype)
+        y = rowwise_matmul(xr.data, xr.scale, w_q, w_scale, out_dtype, fast_accum=True)
         ctx.recipe, ctx.out_dtype, ctx.w_dtype = recipe, out_dtype, w.dtype
         ctx.fp8_wgrad, ctx.fold_into_dy = fp8_wgrad, fold_into_dy
         saved_x = (xr.data_t, xr.scale) if fold_into_dy else (x,)

@@ -1,6 +1,7 @@
 """fp8 casts for the ``fp8_rowwise`` linear: row-wise (with an optional transposed copy of the
 same bytes and the column amax for a later column-wise cast, all from one read) and column-wise
-(stored transposed), with power-of-two scales. ``backend="auto"`` takes Triton on CUDA tensors
+(stored transposed), with power-of-two scales, and both casts of a weight at once
+(``cast_both``). ``backend="auto"`` takes Triton on CUDA tensors
 and the reference on CPU tensors; both give the same bits (``reference.py`` defines them).
 """
 
@@ -10,7 +11,7 @@ import torch
 from gem_lowprec.formats import check_input, elem_format, resolve_backend
 from gem_lowprec.ops.fp8_cast import reference
 
-__all__ = ["RowCast", "cast_rows", "cast_columns"]
+__all__ = ["RowCast", "cast_rows", "cast_columns", "cast_both"]
 
 
 class RowCast(NamedTuple):
@@ -89,3 +90,22 @@ def cast_columns(
     else:
         data_t, scale = reference.cast_columns_transposed(x, fmt, row_mult)
     return data_t.view(elem_dtype), scale
+
+
+def cast_both(
+    x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(*cast_rows(x)[:2], *cast_columns(x))`` in two launches on a GPU (one amax pass over
+    row and column stripes, one cast pass writing both copies): the fp8 weight for the forward
+    (``[R, C]``, a scale per row) and for the input-gradient (``[C, R]``, a scale per column)."""
+    _check(x, None, "row_mult")
+    fmt = elem_format(elem_dtype)
+    x = x.contiguous()
+    if resolve_backend(backend, x.device) == "triton":
+        from gem_lowprec.ops.fp8_cast import triton as kernels
+
+        data, scale, data_t, scale_t = kernels.cast_both(x, fmt)
+    else:
+        data, scale = reference.cast_rows(x, fmt)
+        data_t, scale_t = reference.cast_columns_transposed(x, fmt)
+    return data.view(elem_dtype), scale, data_t.view(elem_dtype), scale_t

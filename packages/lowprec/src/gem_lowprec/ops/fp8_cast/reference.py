@@ -18,6 +18,9 @@ import torch
 from gem_lowprec.formats import ElemFormat, scale_to_float
 from gem_lowprec.ops.mx_quantize.reference import encode, fp32_bits, scale_bytes
 
+_INF_BITS = 0x7F800000
+_QUIET_NAN_BITS = 0x7FC00000
+
 
 def _scaled_rows(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
     v = x.to(torch.float32)
@@ -25,9 +28,11 @@ def _scaled_rows(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor
 
 
 def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[C]``: ``max_r |x[r, c] · row_mult[r]|`` (NaN when a NaN is in the column)."""
-    bits = fp32_bits(_scaled_rows(x, row_mult)) & 0x7FFFFFFF
-    return bits.amax(dim=0).view(torch.float32)
+    """float32 ``[C]``: ``max_r |x[r, c] · row_mult[r]|``; a column holding a NaN gets the
+    canonical quiet NaN ``0x7FC00000`` whatever the NaN's payload (a GPU multiply does not keep
+    payloads, a CPU one does: canonical bits keep the kernels and this bit-identical)."""
+    bits = (fp32_bits(_scaled_rows(x, row_mult)) & 0x7FFFFFFF).amax(dim=0)
+    return torch.where(bits > _INF_BITS, _QUIET_NAN_BITS, bits).view(torch.float32)
 
 
 def cast_rows(x: torch.Tensor, fmt: ElemFormat) -> tuple[torch.Tensor, torch.Tensor]:

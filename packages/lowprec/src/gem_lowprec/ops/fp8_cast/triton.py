@@ -10,14 +10,30 @@ column, ``_RC`` a tile of rows × columns, ``_CR`` the same tile transposed.
 2. Turn each row amax into its power-of-two scale (the E8M0 rule of the MX kernels).
 3. Read the rows again (the grid is sized so that a wave's rows fit in L2: the second read comes
    from L2, not HBM), cast, store the fp8 row-major and, when asked, also transposed (``[C, R]``):
-   the same bytes in the layout the weight-gradient GEMM contracts over.
+   the same bytes in the layout the weight-gradient GEMM contracts over. The transposed bytes are
+   cast again from the transposed float32 tile rather than moved as bytes: on an H200 (Triton
+   3.6) the transposed store of the very bytes that were also stored row-major came out with a
+   column of foreign bytes (the fp8-store miscompile reported upstream for ptxas 12.9, which
+   needs both stores of one converted tensor), while a transposed store of its own cast (the
+   pattern of the both-ways MX kernels) is exact. The extra cast is a multiply and a convert.
 
-``column_amax_kernel`` and ``cast_columns_kernel`` are the two passes of a column-wise cast
-(scale per column over all rows): an amax over row tiles with atomics, then a tile cast stored
-transposed. Casting multiplies by ``2^−e`` (exact) and lets the hardware's round-to-nearest-even
-cast round; under the interpreter the integer encoder of the MX kernels runs instead, so both
-match the reference bit for bit.
+``stripe_amax_kernel`` + ``cast_both_kernel`` cast a (small) weight both ways in two launches:
+the first reads row stripes (a program's rows whole) and column stripes (a program's columns
+whole) and writes each amax once (no atomics, no zero-fill); the second casts each tile with its
+row scales (stored row-major) and its column scales (stored transposed).
+
+``column_amax_kernel`` and ``cast_columns_kernel`` are the two passes of a column-wise cast of a
+tall tensor (scale per column over all rows): an amax over row tiles with atomics, then a tile
+cast stored transposed. Column amaxes of NaN columns are the canonical quiet NaN ``0x7FC00000``
+(a GPU multiply returns ``0x7FFFFFFF`` for any NaN, the CPU keeps the input's payload; the
+reference canonicalises the same way).
+
+Casting multiplies by ``2^−e`` (exact) and lets the hardware's round-to-nearest-even cast round;
+under the interpreter the integer encoder of the MX kernels runs instead, so both match the
+reference bit for bit.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,6 +54,12 @@ def scale_float(byte):
     """float32 ``2^(byte − 127)``: byte 0 is the subnormal 2^−127, byte 255 NaN."""
     bits = tl.where(byte == 0, 0x00400000, byte << 23)
     return tl.where(byte == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def canonical_amax(abs_bits):
+    """``|v|`` bit patterns with every NaN made the canonical quiet NaN ``0x7FC00000``."""
+    return tl.where(abs_bits > 0x7F800000, 0x7FC00000, abs_bits)
 
 
 @triton.jit
@@ -80,14 +102,17 @@ def cast_rows_kernel(
             if COL_AMAX:
                 v_RC = x_RC * mult_R[:, None]
                 v_bits_C = tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-                tl.atomic_max(col_amax_ptr + cols_C, v_bits_C, mask=cols_C < C, sem="relaxed")
+                tl.atomic_max(
+                    col_amax_ptr + cols_C, canonical_amax(v_bits_C), mask=cols_C < C, sem="relaxed"
+                )
         # Stage 2: one power-of-two scale per row.
         byte_R = scale_byte(amax_R, EMAX_EXP, True)
         tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
-        # Stage 3: cast and store row-major (and transposed).
+        # Stage 3: cast and store row-major (and, cast from the transposed tile, transposed).
         for c0 in range(0, C, BLOCK_C):
             cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
-            mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
+            col_ok_C = cols_C < C
+            mask_RC = row_ok_R[:, None] & col_ok_C[None, :]
             x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
             q_RC = encode(
                 x_RC,
@@ -104,10 +129,126 @@ def cast_rows_kernel(
             )
             tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
             if TRANSPOSED:
-                # transposed addresses rather than ``tl.trans`` of the bytes: with ``tl.trans``
-                # the GPU bit-exact test found a whole column missing from the copy on the H200
-                # (Triton 3.6); this form is the one the both-ways MX kernel stores with
-                tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC)
+                q_CR = encode(
+                    tl.trans(x_RC),
+                    byte_R[None, :],
+                    byte_R[None, :],
+                    E4M3,
+                    MBITS,
+                    EMIN,
+                    MAX_BITS,
+                    MAX_VALUE,
+                    NAN_BITS,
+                    HW_CONVERT,
+                    False,
+                )
+                tl.store(
+                    data_t_ptr + cols_C[:, None] * R + rows_R[None, :],
+                    q_CR,
+                    mask=col_ok_C[:, None] & row_ok_R[None, :],
+                )
+
+
+@triton.jit
+def stripe_amax_kernel(
+    x_ptr,
+    amax_ptr,
+    R,
+    C,
+    n_row_stripes,
+    STRIPE_R: tl.constexpr,
+    CHUNK_C: tl.constexpr,
+    STRIPE_C: tl.constexpr,
+    CHUNK_R: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    """Programs ``[0, n_row_stripes)``: the ``|x|`` amax bits of ``STRIPE_R`` whole rows, stored
+    at ``amax[row]``; the others: of ``STRIPE_C`` whole columns, stored at ``amax[R + col]``."""
+    pid = tl.program_id(0)
+    if pid < n_row_stripes:
+        rows_R = (pid * STRIPE_R + tl.arange(0, STRIPE_R)).to(tl.int64)
+        amax_R = tl.zeros([STRIPE_R], dtype=tl.int32)
+        for c0 in range(0, C, CHUNK_C):
+            cols_C = (c0 + tl.arange(0, CHUNK_C)).to(tl.int64)
+            mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
+            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+            amax_R = tl.maximum(amax_R, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+        tl.store(amax_ptr + rows_R, amax_R, mask=rows_R < R)
+    else:
+        cols_C = ((pid - n_row_stripes) * STRIPE_C + tl.arange(0, STRIPE_C)).to(tl.int64)
+        amax_C = tl.zeros([STRIPE_C], dtype=tl.int32)
+        for r0 in range(0, R, CHUNK_R):
+            rows_R = (r0 + tl.arange(0, CHUNK_R)).to(tl.int64)
+            mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
+            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+            amax_C = tl.maximum(amax_C, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
+        tl.store(amax_ptr + R + cols_C, amax_C, mask=cols_C < C)
+
+
+@triton.jit
+def cast_both_kernel(
+    x_ptr,
+    amax_ptr,
+    data_ptr,
+    scale_ptr,
+    data_t_ptr,
+    scale_t_ptr,
+    R,
+    C,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX_EXP: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    """One ``[BLOCK_R, BLOCK_C]`` tile cast with its rows' scales (stored row-major) and with its
+    columns' scales (stored transposed), from the amaxes of ``stripe_amax_kernel``."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows_R = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols_C = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    row_ok_R, col_ok_C = rows_R < R, cols_C < C
+    mask_RC = row_ok_R[:, None] & col_ok_C[None, :]
+    x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+    byte_R = scale_byte(tl.load(amax_ptr + rows_R, mask=row_ok_R, other=0), EMAX_EXP, True)
+    byte_C = scale_byte(tl.load(amax_ptr + R + cols_C, mask=col_ok_C, other=0), EMAX_EXP, True)
+    q_RC = encode(
+        x_RC,
+        byte_R[:, None],
+        byte_R[:, None],
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        False,
+    )
+    tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
+    qc_RC = encode(
+        x_RC,
+        byte_C[None, :],
+        byte_C[None, :],
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        False,
+    )
+    tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], qc_RC, mask=mask_RC)
+    if pid_c == 0:
+        tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
+    if pid_r == 0:
+        tl.store(scale_t_ptr + cols_C, scale_float(byte_C), mask=col_ok_C)
 
 
 @triton.jit
@@ -134,7 +275,7 @@ def column_amax_kernel(
         if HAS_MULT:
             v_RC = v_RC * tl.load(row_mult_ptr + rows_R, mask=rows_R < R, other=0.0)[:, None]
         amax_C = tl.maximum(amax_C, tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
-    tl.atomic_max(col_amax_ptr + cols_C, amax_C, mask=cols_C < C, sem="relaxed")
+    tl.atomic_max(col_amax_ptr + cols_C, canonical_amax(amax_C), mask=cols_C < C, sem="relaxed")
 
 
 @triton.jit
@@ -180,7 +321,9 @@ def cast_columns_kernel(
         HW_CONVERT,
         False,
     )
-    tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC)  # see above
+    tl.store(
+        data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC
+    )  # one cast, one store
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + cols_C, scale_float(byte_C), mask=col_ok_C)
 
@@ -263,27 +406,52 @@ def mx_rowcol_k128_kernel(
     tl.store(scale_t_ptr + pid_r * C + cols_128, scale_float(tl.reshape(group_c, [128])))
 
 
-# Rows kernel: [16, 512] chunks (16 KiB of bf16 per load), 8 warps, a persistent grid sized so
-# that the rows of one wave of programs (programs · 16 · C · bytes) fit in 32 MiB of the 50 MiB
-# L2, from which stage 3 re-reads them: 256 programs at C = 4096, 1024 at C = 1024 (bf16).
-_ROWS_BLOCK = {"BLOCK_R": 16, "BLOCK_C": 512}
-_L2_WAVE_BYTES = 32 << 20
+# Launch shapes on a GPU. Rows kernel: [BLOCK_R, BLOCK_C] chunks, a persistent grid sized so
+# that the rows of one wave of programs (programs · BLOCK_R · C · bytes) fit in ``l2_wave_mib``
+# of the 50 MiB L2, from which stage 3 re-reads them.
+
+
+@dataclass(frozen=True)
+class RowsTiles:
+    block_r: int = 32
+    block_c: int = 256
+    num_warps: int = 8
+    l2_wave_mib: int = 32
+
+
+@dataclass(frozen=True)
+class BothTiles:
+    """Weight cast both ways: amax stripes, then ``[block_r, block_c]`` cast tiles."""
+
+    stripe_r: int = 8
+    chunk_c: int = 512
+    stripe_c: int = 64
+    chunk_r: int = 64
+    block_r: int = 64
+    block_c: int = 128
+    num_warps: int = 8
+
+
+_ROWS_TILES = RowsTiles()
+_BOTH_TILES = BothTiles()
 _TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
 _AMAX_ROW_TILES = 8  # column amax: 512 rows per program, one atomic per column and program
 # Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
 _INTERPRETER_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 64}
 
 
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda and not INTERPRETING
+
+
 def _common(x: torch.Tensor, fmt: ElemFormat) -> tuple[torch.Tensor, dict]:
     in_bf16 = x.dtype == torch.bfloat16
-    constants = dict(
-        HW_CONVERT=x.is_cuda and not INTERPRETING, IN_BF16=in_bf16, **format_constants(fmt)
-    )
+    constants = dict(HW_CONVERT=_on_gpu(x), IN_BF16=in_bf16, **format_constants(fmt))
     return (x.view(torch.int16) if in_bf16 else x), constants
 
 
 def _blocks(x: torch.Tensor, gpu: dict) -> dict:
-    return gpu if x.is_cuda and not INTERPRETING else _INTERPRETER_BLOCK
+    return gpu if _on_gpu(x) else _INTERPRETER_BLOCK
 
 
 def cast_rows(
@@ -292,10 +460,11 @@ def cast_rows(
     *,
     transposed: bool,
     col_amax_row_mult: torch.Tensor | None,
+    tiles: RowsTiles | None = None,
 ):
     """Launch the rows kernel on a contiguous ``[R, C]``. Returns (data uint8 ``[R, C]``, scale
     float32 ``[R]``, data_t uint8 ``[C, R]`` or None, column amax of ``x · row_mult`` as float32
-    ``[C]`` or None)."""
+    ``[C]`` or None). ``tiles`` overrides the GPU launch shape (benchmark sweeps)."""
     R, C = x.shape
     dev = x.device
     data = torch.empty((R, C), dtype=torch.uint8, device=dev)
@@ -305,15 +474,16 @@ def cast_rows(
     col_amax = torch.zeros(C if want_amax else 0, dtype=torch.int32, device=dev)
     if R and C:
         x_arg, constants = _common(x, fmt)
-        blocks = _blocks(x, _ROWS_BLOCK)
-        n_row_blocks = triton.cdiv(R, blocks["BLOCK_R"])
-        if x.is_cuda and not INTERPRETING:
+        if _on_gpu(x):
+            t = tiles or _ROWS_TILES
+            blocks = {"BLOCK_R": t.block_r, "BLOCK_C": t.block_c}
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            wave = _L2_WAVE_BYTES // (blocks["BLOCK_R"] * C * x.element_size())
-            grid = (min(n_row_blocks, max(wave, sms)),)
-            launch = dict(num_warps=8)
+            wave = (t.l2_wave_mib << 20) // (t.block_r * C * x.element_size())
+            grid = (min(triton.cdiv(R, t.block_r), max(wave, sms)),)
+            launch = dict(num_warps=t.num_warps)
         else:
-            grid, launch = (n_row_blocks,), {}
+            blocks, launch = _INTERPRETER_BLOCK, {}
+            grid = (triton.cdiv(R, blocks["BLOCK_R"]),)
         mult = col_amax_row_mult if want_amax else scale
         cast_rows_kernel[grid](
             x_arg, mult, data, data_t, scale, col_amax, R, C,
@@ -327,6 +497,34 @@ def cast_rows(
     )
 
 
+def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = None):
+    """Row-wise and column-wise casts of a contiguous ``[R, C]`` in two launches. Returns (data
+    uint8 ``[R, C]``, scale float32 ``[R]``, data_t uint8 ``[C, R]``, scale_t float32 ``[C]``)."""
+    R, C = x.shape
+    dev = x.device
+    data = torch.empty((R, C), dtype=torch.uint8, device=dev)
+    scale = torch.empty(R, dtype=torch.float32, device=dev)
+    data_t = torch.empty((C, R), dtype=torch.uint8, device=dev)
+    scale_t = torch.empty(C, dtype=torch.float32, device=dev)
+    if R and C:
+        x_arg, constants = _common(x, fmt)
+        t = tiles or _BOTH_TILES
+        if not _on_gpu(x):
+            t = BothTiles(64, 64, 64, 64, 64, 64, 4)
+        amax = torch.empty(R + C, dtype=torch.int32, device=dev)
+        n_row_stripes = triton.cdiv(R, t.stripe_r)
+        launch = dict(num_warps=t.num_warps) if _on_gpu(x) else {}
+        stripe_amax_kernel[(n_row_stripes + triton.cdiv(C, t.stripe_c),)](
+            x_arg, amax, R, C, n_row_stripes, STRIPE_R=t.stripe_r, CHUNK_C=t.chunk_c,
+            STRIPE_C=t.stripe_c, CHUNK_R=t.chunk_r, IN_BF16=constants["IN_BF16"], **launch,
+        )  # fmt: skip
+        cast_both_kernel[(triton.cdiv(R, t.block_r), triton.cdiv(C, t.block_c))](
+            x_arg, amax, data, scale, data_t, scale_t, R, C, BLOCK_R=t.block_r,
+            BLOCK_C=t.block_c, **constants, **launch,
+        )  # fmt: skip
+    return data, scale, data_t, scale_t
+
+
 def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
     """float32 ``[C]``: ``max_r |x[r, c] · row_mult[r]|`` of a contiguous ``[R, C]``."""
     R, C = x.shape
@@ -334,7 +532,7 @@ def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
     if R and C:
         in_bf16 = x.dtype == torch.bfloat16
         blocks = _blocks(x, _TILE_BLOCK)
-        row_tiles = _AMAX_ROW_TILES if x.is_cuda and not INTERPRETING else 1
+        row_tiles = _AMAX_ROW_TILES if _on_gpu(x) else 1
         grid = (triton.cdiv(R, blocks["BLOCK_R"] * row_tiles), triton.cdiv(C, blocks["BLOCK_C"]))
         column_amax_kernel[grid](
             x.view(torch.int16) if in_bf16 else x,
@@ -357,7 +555,7 @@ def cast_columns(
         x_arg, constants = _common(x, fmt)
         blocks = _blocks(x, _TILE_BLOCK)
         grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
-        launch = dict(num_warps=8) if x.is_cuda and not INTERPRETING else {}
+        launch = dict(num_warps=8) if _on_gpu(x) else {}
         cast_columns_kernel[grid](
             x_arg, scale if row_mult is None else row_mult, col_amax.view(torch.int32), data_t,
             scale, R, C, HAS_MULT=row_mult is not None, **blocks, **constants, **launch,
