@@ -19,10 +19,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_same(got, want) -> None:
-    for g, w in zip(got, want, strict=True):
+    for field, (g, w) in enumerate(zip(got, want, strict=True)):
         assert (g is None) == (w is None)
-        if g is not None:
-            assert torch.equal(_bits(g), _bits(w))
+        if g is None:
+            continue
+        g, w = _bits(g), _bits(w)
+        assert g.shape == w.shape, (field, g.shape, w.shape)
+        bad = (g != w).nonzero()
+        assert not len(bad), (
+            f"output {field} {tuple(g.shape)}: {len(bad)} differ, first at "
+            f"{bad[:6].tolist()}: got {[hex(g[tuple(i)]) for i in bad[:6]]} "
+            f"want {[hex(w[tuple(i)]) for i in bad[:6]]}"
+        )
 
 
 def _row_mult(rows: int, seed: int) -> torch.Tensor:
