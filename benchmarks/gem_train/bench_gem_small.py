@@ -268,6 +268,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
     parser.add_argument("--sync-steps", type=int, default=2, help="steps counted for host syncs")
     parser.add_argument(
+        "--local-for", nargs="*", default=None,
+        help="variants whose numerics get a Local MFU (default: all); the padded anchor's layers "
+        "alone take minutes at gem-small sizes",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", default=None, help="folder: profile one step of each row there"
     )
     parser.add_argument("--variant-timeout", type=int, default=420, help="seconds per variant")
@@ -290,16 +295,19 @@ def main() -> None:
         raise SystemExit(f"--gpus: expected at least 1, got {args.gpus}")
     if not args.smoke and args.gpus > torch.cuda.device_count():
         raise SystemExit(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPUs are visible")
-    unknown = set(args.only or ()) - set(VARIANTS)
+    unknown = (set(args.only or ()) | set(args.local_for or ())) - set(VARIANTS)
     if unknown:
-        raise SystemExit(f"--only: unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+        raise SystemExit(
+            f"--only/--local-for: unknown variants {sorted(unknown)}; known: {list(VARIANTS)}"
+        )
     print(f"A2 gem-small: {common.environment()}; {args.warmup} warm-up + {args.steps} timed "
           "steps per variant, each variant in its own process")  # fmt: skip
     names = [n for n in VARIANTS if not args.only or n in args.only]
     numerics_of = {n: tuple(VARIANTS[n].get(k) for k in NUMERICS) for n in names}
     measures_local = {}  # the first variant of each numerics setup measures its Local MFU
     for name in names:
-        measures_local.setdefault(numerics_of[name], name)
+        if args.local_for is None or name in args.local_for:
+            measures_local.setdefault(numerics_of[name], name)
     gpus = queue.Queue()
     for gpu in range(args.gpus):
         gpus.put(gpu if args.gpus > 1 else None)
@@ -308,7 +316,7 @@ def main() -> None:
     def run_one(name: str) -> dict:
         gpu = gpus.get()
         try:
-            local = measures_local[numerics_of[name]] == name
+            local = measures_local.get(numerics_of[name]) == name
             t0 = time.perf_counter()
             result, tail = launch(name, args, local=local, gpu=gpu)
             lines = [f"  {name}: {time.perf_counter() - t0:.0f} s"]
