@@ -87,7 +87,7 @@ def rowwise_pieces(x, w, dy, fp8_wgrad: bool):
     gemm = 2 * m * k * n
     out = [
         (f"cast x rows{' + xᵀ' if fold_into_dy else ''}", lambda: cast_rows(x, E4M3, transposed=fold_into_dy), m * k * (3 + fold_into_dy), "cast"),
-        ("cast W rows + columns (2 launches)", lambda: cast_both(w, E4M3), n * k * 6, "cast"),
+        ("cast W rows + columns (fill + 2 launches)", lambda: cast_both(w, E4M3), n * k * 6, "cast"),
         (
             f"cast dy rows{' + dyᵀ' if fp8_wgrad and not fold_into_dy else ''}{' + col amax' if fold_into_dy else ''}",
             lambda: cast_rows(dy, E4M3, transposed=fp8_wgrad and not fold_into_dy, col_amax_row_mult=xr.scale if fold_into_dy else None),
@@ -152,7 +152,7 @@ ROWS_SWEEP = [
     fp8_kernels.RowsTiles(32, 512, 8, 48),
     fp8_kernels.RowsTiles(64, 256, 8, 32),
 ]
-BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(16, 256, 32, 128, 32, 128, 4)]
+BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(32, 256, 32, 128, 4)]
 
 
 def sweep_casts(bench, device: str, tokens: int, shapes: list[tuple[int, int]]) -> None:

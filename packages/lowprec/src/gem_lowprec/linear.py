@@ -11,9 +11,8 @@ layout Hopper's tensor cores take, so ``torch._scaled_mm`` gets ``b.t()`` as a f
 | weight-grad dW  | dyᵀ, along M       | xᵀ, along M         | M (tokens)  |
 
 ``fp8_rowwise``: one power-of-two scale per row of each operand (``gem_lowprec.ops.fp8_cast``).
-W is cast both ways per forward (rows for y, columns for dx; ``cast_both``, two launches) and
-Wᵀ stays for the backward.
-x is cast once by a kernel that reads it once; dy likewise. The fp8 weight-gradient contracts
+W is cast both ways per forward (rows for y, columns for dx; ``cast_both``: one read for the
+amaxes, one for both casts) and Wᵀ stays for the backward. x is cast once by a kernel that reads it once; dy likewise. The fp8 weight-gradient contracts
 over tokens, where a per-token scale cannot sit outside the GEMM; it is folded into the other
 operand instead: ``dW = Σ_m dy[m,:]ᵀ x[m,:] = Σ_m q_dy[m,:]ᵀ (s_m · x[m,:])`` with ``dy[m,:] ≈
 s_m · q_dy[m,:]`` (s_m a power of two, so ``s_m · x`` is exact), and ``s_m · x`` gets one scale

@@ -96,7 +96,7 @@ def cast_both(
     x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(*cast_rows(x)[:2], *cast_columns(x))`` in two launches on a GPU (one amax pass over
-    row and column stripes, one cast pass writing both copies): the fp8 weight for the forward
+    tiles, one cast pass writing both copies): the fp8 weight for the forward
     (``[R, C]``, a scale per row) and for the input-gradient (``[C, R]``, a scale per column)."""
     _check(x, None, "row_mult")
     fmt = elem_format(elem_dtype)

@@ -17,10 +17,11 @@ column, ``_RC`` a tile of rows × columns, ``_CR`` the same tile transposed.
    needs both stores of one converted tensor), while a transposed store of its own cast (the
    pattern of the both-ways MX kernels) is exact. The extra cast is a multiply and a convert.
 
-``stripe_amax_kernel`` + ``cast_both_kernel`` cast a (small) weight both ways in two launches:
-the first reads row stripes (a program's rows whole) and column stripes (a program's columns
-whole) and writes each amax once (no atomics, no zero-fill); the second casts each tile with its
-row scales (stored row-major) and its column scales (stored transposed).
+``tile_amax_kernel`` + ``cast_both_kernel`` cast a (small) weight both ways in two launches
+after a zero-fill: the first reads each tile with one load and folds its row and column amaxes
+in by atomic max, the second casts each tile with its row scales (stored row-major) and its
+column scales (stored transposed). A weight is a few MiB: what bounds it is the latency of
+dependent loads, so every program reads one tile at once instead of looping over a stripe.
 
 ``column_amax_kernel`` and ``cast_columns_kernel`` are the two passes of a column-wise cast of a
 tall tensor (scale per column over all rows): an amax over row tiles with atomics, then a tile
@@ -76,6 +77,7 @@ def cast_rows_kernel(
     BLOCK_C: tl.constexpr,
     TRANSPOSED: tl.constexpr,
     COL_AMAX: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
@@ -86,7 +88,10 @@ def cast_rows_kernel(
     HW_CONVERT: tl.constexpr,
     IN_BF16: tl.constexpr,
 ):
+    """``ONE_CHUNK`` (``C <= BLOCK_C``): the column amax is kept in registers over all of the
+    program's row blocks and folded in with one atomic per column at the end, not per block."""
     n_row_blocks = tl.cdiv(R, BLOCK_R)
+    col_amax_C = tl.zeros([BLOCK_C], dtype=tl.int32)
     for row_block in range(tl.program_id(0), n_row_blocks, tl.num_programs(0)):
         rows_R = (row_block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         row_ok_R = rows_R < R
@@ -102,9 +107,15 @@ def cast_rows_kernel(
             if COL_AMAX:
                 v_RC = x_RC * mult_R[:, None]
                 v_bits_C = tl.max(v_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-                tl.atomic_max(
-                    col_amax_ptr + cols_C, canonical_amax(v_bits_C), mask=cols_C < C, sem="relaxed"
-                )
+                if ONE_CHUNK:
+                    col_amax_C = tl.maximum(col_amax_C, v_bits_C)
+                else:
+                    tl.atomic_max(
+                        col_amax_ptr + cols_C,
+                        canonical_amax(v_bits_C),
+                        mask=cols_C < C,
+                        sem="relaxed",
+                    )
         # Stage 2: one power-of-two scale per row.
         byte_R = scale_byte(amax_R, EMAX_EXP, True)
         tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
@@ -128,9 +139,13 @@ def cast_rows_kernel(
                 False,
             )
             tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
-            if TRANSPOSED:
+            if TRANSPOSED:  # the tile read again, transposed, and cast on its own
+                mask_CR = col_ok_C[:, None] & row_ok_R[None, :]
+                x_CR = load_as_float32(
+                    x_ptr + rows_R[None, :] * C + cols_C[:, None], mask_CR, IN_BF16
+                )
                 q_CR = encode(
-                    tl.trans(x_RC),
+                    x_CR,
                     byte_R[None, :],
                     byte_R[None, :],
                     E4M3,
@@ -142,47 +157,35 @@ def cast_rows_kernel(
                     HW_CONVERT,
                     False,
                 )
-                tl.store(
-                    data_t_ptr + cols_C[:, None] * R + rows_R[None, :],
-                    q_CR,
-                    mask=col_ok_C[:, None] & row_ok_R[None, :],
-                )
+                tl.store(data_t_ptr + cols_C[:, None] * R + rows_R[None, :], q_CR, mask=mask_CR)
+    if COL_AMAX and ONE_CHUNK:
+        cols_C = tl.arange(0, BLOCK_C)
+        tl.atomic_max(
+            col_amax_ptr + cols_C, canonical_amax(col_amax_C), mask=cols_C < C, sem="relaxed"
+        )
 
 
 @triton.jit
-def stripe_amax_kernel(
+def tile_amax_kernel(
     x_ptr,
     amax_ptr,
     R,
     C,
-    n_row_stripes,
-    STRIPE_R: tl.constexpr,
-    CHUNK_C: tl.constexpr,
-    STRIPE_C: tl.constexpr,
-    CHUNK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     IN_BF16: tl.constexpr,
 ):
-    """Programs ``[0, n_row_stripes)``: the ``|x|`` amax bits of ``STRIPE_R`` whole rows, stored
-    at ``amax[row]``; the others: of ``STRIPE_C`` whole columns, stored at ``amax[R + col]``."""
-    pid = tl.program_id(0)
-    if pid < n_row_stripes:
-        rows_R = (pid * STRIPE_R + tl.arange(0, STRIPE_R)).to(tl.int64)
-        amax_R = tl.zeros([STRIPE_R], dtype=tl.int32)
-        for c0 in range(0, C, CHUNK_C):
-            cols_C = (c0 + tl.arange(0, CHUNK_C)).to(tl.int64)
-            mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
-            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
-            amax_R = tl.maximum(amax_R, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
-        tl.store(amax_ptr + rows_R, amax_R, mask=rows_R < R)
-    else:
-        cols_C = ((pid - n_row_stripes) * STRIPE_C + tl.arange(0, STRIPE_C)).to(tl.int64)
-        amax_C = tl.zeros([STRIPE_C], dtype=tl.int32)
-        for r0 in range(0, R, CHUNK_R):
-            rows_R = (r0 + tl.arange(0, CHUNK_R)).to(tl.int64)
-            mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
-            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
-            amax_C = tl.maximum(amax_C, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
-        tl.store(amax_ptr + R + cols_C, amax_C, mask=cols_C < C)
+    """One ``[BLOCK_R, BLOCK_C]`` tile, read with a single load: its rows' ``|x|`` amax bits
+    folded into ``amax[row]`` and its columns' into ``amax[R + col]`` by atomic max (the buffer
+    starts at zero)."""
+    rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols_C = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    row_ok_R, col_ok_C = rows_R < R, cols_C < C
+    mask_RC = row_ok_R[:, None] & col_ok_C[None, :]
+    x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
+    bits_RC = x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_ptr + rows_R, tl.max(bits_RC, 1), mask=row_ok_R, sem="relaxed")
+    tl.atomic_max(amax_ptr + R + cols_C, tl.max(bits_RC, 0), mask=col_ok_C, sem="relaxed")
 
 
 @triton.jit
@@ -208,7 +211,7 @@ def cast_both_kernel(
     IN_BF16: tl.constexpr,
 ):
     """One ``[BLOCK_R, BLOCK_C]`` tile cast with its rows' scales (stored row-major) and with its
-    columns' scales (stored transposed), from the amaxes of ``stripe_amax_kernel``."""
+    columns' scales (stored transposed), from the amaxes of ``tile_amax_kernel``."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows_R = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols_C = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
@@ -413,26 +416,28 @@ def mx_rowcol_k128_kernel(
 
 @dataclass(frozen=True)
 class RowsTiles:
-    block_r: int = 32
-    block_c: int = 256
+    """Rows kernel: ``[block_r, block_c]`` chunks, ``num_warps``, the L2 budget of a wave."""
+
+    block_r: int = 16
+    block_c: int = 1024  # 32 KiB of bf16 per load: two programs per SM keep 64 KiB in flight
     num_warps: int = 8
     l2_wave_mib: int = 32
 
 
 @dataclass(frozen=True)
 class BothTiles:
-    """Weight cast both ways: amax stripes, then ``[block_r, block_c]`` cast tiles."""
+    """Weight cast both ways: ``[amax_r, amax_c]`` amax tiles, ``[block_r, block_c]`` cast tiles."""
 
-    stripe_r: int = 8
-    chunk_c: int = 512
-    stripe_c: int = 64
-    chunk_r: int = 64
+    amax_r: int = 64
+    amax_c: int = 256
     block_r: int = 64
     block_c: int = 128
     num_warps: int = 8
 
 
 _ROWS_TILES = RowsTiles()
+_ONE_CHUNK_MAX_C = 2048  # rows kernel with a column amax: whole rows per chunk up to this width
+_AMAX_PROGRAMS_PER_SM = 2
 _BOTH_TILES = BothTiles()
 _TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
 _AMAX_ROW_TILES = 8  # column amax: 512 rows per program, one atomic per column and program
@@ -476,18 +481,25 @@ def cast_rows(
         x_arg, constants = _common(x, fmt)
         if _on_gpu(x):
             t = tiles or _ROWS_TILES
-            blocks = {"BLOCK_R": t.block_r, "BLOCK_C": t.block_c}
+            block_r, block_c = t.block_r, t.block_c
+            if want_amax and C <= _ONE_CHUNK_MAX_C:  # whole rows per chunk, same tile size
+                block_c = triton.next_power_of_2(C)
+                block_r = max(1, t.block_r * t.block_c // block_c)
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            wave = (t.l2_wave_mib << 20) // (t.block_r * C * x.element_size())
-            grid = (min(triton.cdiv(R, t.block_r), max(wave, sms)),)
+            wave = (t.l2_wave_mib << 20) // (block_r * C * x.element_size())
+            programs = max(wave, sms)
+            if want_amax:  # fewer programs, fewer atomics per column
+                programs = min(programs, _AMAX_PROGRAMS_PER_SM * sms)
+            grid = (min(triton.cdiv(R, block_r), programs),)
+            blocks = {"BLOCK_R": block_r, "BLOCK_C": block_c}
             launch = dict(num_warps=t.num_warps)
         else:
             blocks, launch = _INTERPRETER_BLOCK, {}
             grid = (triton.cdiv(R, blocks["BLOCK_R"]),)
         mult = col_amax_row_mult if want_amax else scale
         cast_rows_kernel[grid](
-            x_arg, mult, data, data_t, scale, col_amax, R, C,
-            TRANSPOSED=transposed, COL_AMAX=want_amax, **blocks, **constants, **launch,
+            x_arg, mult, data, data_t, scale, col_amax, R, C, TRANSPOSED=transposed,
+            COL_AMAX=want_amax, ONE_CHUNK=C <= blocks["BLOCK_C"], **blocks, **constants, **launch,
         )  # fmt: skip
     return (
         data,
@@ -498,8 +510,10 @@ def cast_rows(
 
 
 def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = None):
-    """Row-wise and column-wise casts of a contiguous ``[R, C]`` in two launches. Returns (data
-    uint8 ``[R, C]``, scale float32 ``[R]``, data_t uint8 ``[C, R]``, scale_t float32 ``[C]``)."""
+    """Row-wise and column-wise casts of a contiguous ``[R, C]``: a zero-fill and two launches,
+    each program one tile read once (a weight is small: latency, not bandwidth, bounds it).
+    Returns (data uint8 ``[R, C]``, scale float32 ``[R]``, data_t uint8 ``[C, R]``, scale_t
+    float32 ``[C]``)."""
     R, C = x.shape
     dev = x.device
     data = torch.empty((R, C), dtype=torch.uint8, device=dev)
@@ -508,15 +522,12 @@ def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = Non
     scale_t = torch.empty(C, dtype=torch.float32, device=dev)
     if R and C:
         x_arg, constants = _common(x, fmt)
-        t = tiles or _BOTH_TILES
-        if not _on_gpu(x):
-            t = BothTiles(64, 64, 64, 64, 64, 64, 4)
-        amax = torch.empty(R + C, dtype=torch.int32, device=dev)
-        n_row_stripes = triton.cdiv(R, t.stripe_r)
+        t = (tiles or _BOTH_TILES) if _on_gpu(x) else BothTiles(64, 64, 64, 64)
         launch = dict(num_warps=t.num_warps) if _on_gpu(x) else {}
-        stripe_amax_kernel[(n_row_stripes + triton.cdiv(C, t.stripe_c),)](
-            x_arg, amax, R, C, n_row_stripes, STRIPE_R=t.stripe_r, CHUNK_C=t.chunk_c,
-            STRIPE_C=t.stripe_c, CHUNK_R=t.chunk_r, IN_BF16=constants["IN_BF16"], **launch,
+        amax = torch.zeros(R + C, dtype=torch.int32, device=dev)
+        tile_amax_kernel[(triton.cdiv(R, t.amax_r), triton.cdiv(C, t.amax_c))](
+            x_arg, amax, R, C, BLOCK_R=t.amax_r, BLOCK_C=t.amax_c,
+            IN_BF16=constants["IN_BF16"], **launch,
         )  # fmt: skip
         cast_both_kernel[(triton.cdiv(R, t.block_r), triton.cdiv(C, t.block_c))](
             x_arg, amax, data, scale, data_t, scale_t, R, C, BLOCK_R=t.block_r,
