@@ -443,6 +443,7 @@ _TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
 _AMAX_ROW_TILES = 8  # column amax: 512 rows per program, one atomic per column and program
 # Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
 _INTERPRETER_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 64}
+_INTERPRETER_PROGRAMS = 3
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -493,9 +494,9 @@ def cast_rows(
             grid = (min(triton.cdiv(R, block_r), programs),)
             blocks = {"BLOCK_R": block_r, "BLOCK_C": block_c}
             launch = dict(num_warps=t.num_warps)
-        else:
+        else:  # few programs, so that each loops over several row blocks as on a GPU
             blocks, launch = _INTERPRETER_BLOCK, {}
-            grid = (triton.cdiv(R, blocks["BLOCK_R"]),)
+            grid = (min(triton.cdiv(R, blocks["BLOCK_R"]), _INTERPRETER_PROGRAMS),)
         mult = col_amax_row_mult if want_amax else scale
         cast_rows_kernel[grid](
             x_arg, mult, data, data_t, scale, col_amax, R, C, TRANSPOSED=transposed,
