@@ -114,6 +114,22 @@ def test_head_dims_64_and_128(head_dim, lq, lk, causal, radius):
     )
 
 
+@pytest.mark.parametrize(
+    ("lq", "lk", "causal", "radius"),
+    [
+        ([130, 97, 16], [130, 97, 16], True, 2),  # most tiles left of the band
+        ([130, 40], [130, 40], True, 17),  # the band spans tile edges
+        ([70, 50], [90, 50], True, 5),  # cross, bottom-right causal
+        ([81, 33], [64, 100], False, 3),  # non-causal: tiles right of the band gather
+    ],
+)
+def test_relative_bias_off_the_band(lq, lk, causal, radius):
+    """Tiles wholly left of the bias band (every pair in bucket 0) take the scalar path in the
+    forward, dK/dV and dQ kernels; the rest gather. Long sequences with a small radius make
+    most tiles far ones."""
+    _check_against_fp64(lq, lk, causal=causal, radius=radius, seed=11, dtype=torch.float32)
+
+
 def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():
     """One long sequence (its key tiles are split across programs) with int32 offsets; a
     max_q_len hint shorter than the real length changes the launch, never the result."""

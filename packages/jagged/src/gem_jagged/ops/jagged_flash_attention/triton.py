@@ -31,6 +31,13 @@ Backward, dQ kernel (one program per (query tile, head), a query work list like 
     over the rows finishes it. No per-element atomics, and no two programs ever add into the
     same address.
 
+Relative bias off the band. The bias of a pair depends on ``clamp(j − i, −R, R)``: every pair of
+a tile lying wholly left of the band (``j − i < −R`` for all of it, the bulk of a long causal
+sequence) takes the same bucket 0. Such tiles add one scalar to the scores instead of gathering
+a bias per element, and the dQ kernel sums their ``dS`` in a register and adds it to bucket 0
+once per program. Only tiles crossing the band gather, and reduce their diagonals one by one.
+Gathering on every tile made the kernels about 6× slower at R = 32 than without a bias.
+
 Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
 ``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
 benchmark's ``--sweep`` times alternatives) rather than autotuned: the work list depends on the
@@ -164,6 +171,14 @@ def _load_sequence(offsets_Bp1, seq):
 
 
 @jit
+def _far_left_stop(q_start, radius, full_stop, BLOCK_N: tl.constexpr):
+    """End of the key blocks ``[0, stop)`` whose every pair with query rows ``q_start…`` has
+    ``j − i < −R`` (bias bucket 0): ``block_end ≤ q_start − R``, aligned down, within
+    ``full_stop``."""
+    return tl.minimum(tl.maximum(q_start - radius, 0) // BLOCK_N * BLOCK_N, full_stop)
+
+
+@jit
 def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
     """``bias[clamp(j − i, −R, R) + R]`` for a [M, Nk] tile, as float32."""
     rel_MN = cols_N[None, :] - rows_M[:, None]
@@ -178,13 +193,14 @@ def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
 
 @jit
 def _fwd_key_blocks(
-    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2,
+    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2,
     rows_M, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Stream key blocks ``[start, stop)`` past the query tile (online softmax update)."""
+    """Stream key blocks ``[start, stop)`` past the query tile (online softmax update); with
+    ``FAR_BIAS`` the blocks lie left of the bias band and add ``far_bias_log2`` to every score."""
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
@@ -199,7 +215,10 @@ def _fwd_key_blocks(
         # Stage 1: scores in the log2 domain.
         s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
         if HAS_BIAS:
-            s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
+            if FAR_BIAS:
+                s_MN += far_bias_log2
+            else:
+                s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
         if MASKED:
             visible_MN = in_seq_N[None, :]
             if CAUSAL:
@@ -261,15 +280,26 @@ def _jfa_fwd_kernel(
         full_stop = tl.minimum(full_stop, q_start + 1 + diag)
     full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
     full_stop = tl.minimum(full_stop, k_stop)
+    # Of those, blocks left of the bias band add one scalar instead of gathering a bias each.
+    far_stop = 0
+    far_bias_log2 = 0.0
+    if HAS_BIAS:
+        far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
+        far_bias_log2 = tl.load(bias_head_R2).to(tl.float32) * 1.4426950408889634
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, rows_M, k_len, diag,
-        0, full_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2, rows_M, k_len, diag,
+        0, far_stop, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, True, False, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, rows_M, k_len, diag,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2, rows_M, k_len, diag,
+        far_stop, full_stop, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, False, False, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    acc_MH, l_M, m_M = _fwd_key_blocks(
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2, rows_M, k_len, diag,
         full_stop, k_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
+        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, False, True, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
 
     # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
@@ -293,12 +323,13 @@ def _jfa_fwd_kernel(
 @jit
 def _dkdv_query_blocks(
     dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-    cols_N, q_len, diag, start, stop, qk_scale_log2, radius, stride_t,
+    far_bias_log2, cols_N, q_len, diag, start, stop, qk_scale_log2, radius, stride_t,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Stream query blocks ``[start, stop)`` past the key tile, accumulating dK (unscaled), dV."""
+    """Stream query blocks ``[start, stop)`` past the key tile, accumulating dK (unscaled), dV;
+    with ``FAR_BIAS`` the blocks lie below the bias band (bucket 0 for every pair)."""
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_M, num_stages=NUM_STAGES):
         rows_M = block_start + tl.arange(0, BLOCK_M)
@@ -311,9 +342,13 @@ def _dkdv_query_blocks(
         # Rebuild Pᵀ from the saved log-sum-exp.
         s_NM = tl.dot(k_NH, tl.trans(q_MH), input_precision=DOT_PRECISION) * qk_scale_log2
         if HAS_BIAS:
-            s_NM += (
-                tl.trans(_relative_bias(bias_head_R2, rows_M, cols_N, radius)) * 1.4426950408889634
-            )
+            if FAR_BIAS:
+                s_NM += far_bias_log2
+            else:
+                s_NM += (
+                    tl.trans(_relative_bias(bias_head_R2, rows_M, cols_N, radius))
+                    * 1.4426950408889634
+                )
         p_NM = tl.math.exp2(s_NM - lse_M[None, :])
         if MASKED:
             if CAUSAL:
@@ -372,15 +407,29 @@ def _jfa_dkdv_kernel(
         first_full = k_start + BLOCK_N - 1 - diag
         mask_stop = q_lo + tl.maximum(first_full - q_lo + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
         mask_stop = tl.minimum(mask_stop, q_hi)
+    # Query blocks from ``far_start`` on see the key tile only left of the bias band
+    # (i − j > R for every pair): one scalar bias instead of a gather.
+    far_start = q_hi
+    far_bias_log2 = 0.0
+    if HAS_BIAS:
+        first_far = k_start + BLOCK_N + radius  # rows i ≥ this have j − i < −R for every key
+        far_start = q_lo + tl.maximum(first_far - q_lo + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
+        far_start = tl.minimum(tl.maximum(far_start, mask_stop), q_hi)
+        far_bias_log2 = tl.load(bias_head_R2).to(tl.float32) * 1.4426950408889634
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-        cols_N, q_len, diag, q_lo, mask_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
+        far_bias_log2, cols_N, q_len, diag, q_lo, mask_stop, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, False, True, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-        cols_N, q_len, diag, mask_stop, q_hi, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
+        far_bias_log2, cols_N, q_len, diag, mask_stop, far_start, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, False, False, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    dk_NH, dv_NH = _dkdv_query_blocks(
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
+        far_bias_log2, cols_N, q_len, diag, far_start, q_hi, qk_scale_log2, radius, stride_t,
+        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, True, False, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH = dk_NH * scale
     if splits > 1:
@@ -427,13 +476,15 @@ def _jfa_dkdv_finish_kernel(
 
 @jit
 def _dq_key_blocks(
-    dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+    dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2, far_bias_log2,
     dbias_row_R2, rows_M, q_start, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Stream key blocks ``[start, stop)``: dQ (unscaled) and the bias gradient by diagonal."""
+    """Stream key blocks ``[start, stop)``: dQ (unscaled) and the bias gradient by diagonal.
+    With ``FAR_BIAS`` the blocks lie left of the bias band: their ``dS`` sums into
+    ``far_dbias`` (bucket 0), added to the partial buffer once by the caller."""
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
@@ -447,7 +498,10 @@ def _dq_key_blocks(
             v_NH = tl.load(v_head + kv_offsets_NH)
         s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
         if HAS_BIAS:
-            s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
+            if FAR_BIAS:
+                s_MN += far_bias_log2
+            else:
+                s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
         p_MN = tl.math.exp2(s_MN - lse_M[:, None])
         if MASKED:
             visible_MN = in_seq_N[None, :]
@@ -458,27 +512,30 @@ def _dq_key_blocks(
         ds_MN = p_MN * (dp_MN - delta_M[:, None])
         dq_MH = tl.dot(ds_MN.to(k_NH.dtype), k_NH, dq_MH, input_precision=DOT_PRECISION)
         if HAS_BIAS:
-            # Reduce dS by diagonal d = j - i into the clamped buckets, in this program's own
-            # row of the partial buffer: the two edge buckets take masked sums of the whole
-            # tile, and each interior diagonal the tile crosses (none when the tile lies
-            # outside the band |d| < R) takes one masked sum. One scalar atomic per bucket.
-            rel_MN = cols_N[None, :] - rows_M[:, None]
-            tl.atomic_add(
-                dbias_row_R2,
-                tl.sum(tl.sum(tl.where(rel_MN <= -radius, ds_MN, 0.0), 1), 0),
-                sem="relaxed",
-            )
-            tl.atomic_add(
-                dbias_row_R2 + 2 * radius,
-                tl.sum(tl.sum(tl.where(rel_MN >= tl.maximum(radius, 1), ds_MN, 0.0), 1), 0),
-                sem="relaxed",
-            )
-            d_min = tl.maximum(block_start - q_start - (BLOCK_M - 1), 1 - radius)
-            d_max = tl.minimum(block_start - q_start + BLOCK_N - 1, radius - 1)
-            for d in range(d_min, d_max + 1):
-                diag_sum = tl.sum(tl.sum(tl.where(rel_MN == d, ds_MN, 0.0), 1), 0)
-                tl.atomic_add(dbias_row_R2 + d + radius, diag_sum, sem="relaxed")
-    return dq_MH
+            if FAR_BIAS:
+                far_dbias += tl.sum(tl.sum(ds_MN, 1), 0)
+            else:
+                # Reduce dS by diagonal d = j - i into the clamped buckets, in this program's own
+                # row of the partial buffer: the two edge buckets take masked sums of the whole
+                # tile, and each interior diagonal the tile crosses (none when the tile lies
+                # outside the band |d| < R) takes one masked sum. One scalar atomic per bucket.
+                rel_MN = cols_N[None, :] - rows_M[:, None]
+                tl.atomic_add(
+                    dbias_row_R2,
+                    tl.sum(tl.sum(tl.where(rel_MN <= -radius, ds_MN, 0.0), 1), 0),
+                    sem="relaxed",
+                )
+                tl.atomic_add(
+                    dbias_row_R2 + 2 * radius,
+                    tl.sum(tl.sum(tl.where(rel_MN >= tl.maximum(radius, 1), ds_MN, 0.0), 1), 0),
+                    sem="relaxed",
+                )
+                d_min = tl.maximum(block_start - q_start - (BLOCK_M - 1), 1 - radius)
+                d_max = tl.minimum(block_start - q_start + BLOCK_N - 1, radius - 1)
+                for d in range(d_min, d_max + 1):
+                    diag_sum = tl.sum(tl.sum(tl.where(rel_MN == d, ds_MN, 0.0), 1), 0)
+                    tl.atomic_add(dbias_row_R2 + d + radius, diag_sum, sem="relaxed")
+    return dq_MH, far_dbias
 
 
 @jit
@@ -529,16 +586,32 @@ def _jfa_dq_kernel(
         full_stop = tl.minimum(full_stop, q_start + 1 + diag)
     full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
     full_stop = tl.minimum(full_stop, k_stop)
-    dq_MH = _dq_key_blocks(
-        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
-        dbias_row_R2, rows_M, q_start, k_len, diag, 0, full_stop, qk_scale_log2, radius,
-        stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, DOT_PRECISION, NUM_STAGES,
+    far_stop = 0
+    far_bias_log2 = 0.0
+    if HAS_BIAS:
+        far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
+        far_bias_log2 = tl.load(bias_head_R2).to(tl.float32) * 1.4426950408889634
+    far_dbias = tl.sum(tl.zeros([1], tl.float32), 0)
+    dq_MH, far_dbias = _dq_key_blocks(
+        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+        far_bias_log2, dbias_row_R2, rows_M, q_start, k_len, diag, 0, far_stop, qk_scale_log2,
+        radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
+        DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
-    dq_MH = _dq_key_blocks(
-        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
-        dbias_row_R2, rows_M, q_start, k_len, diag, full_stop, k_stop, qk_scale_log2, radius,
-        stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, DOT_PRECISION, NUM_STAGES,
+    dq_MH, far_dbias = _dq_key_blocks(
+        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+        far_bias_log2, dbias_row_R2, rows_M, q_start, k_len, diag, far_stop, full_stop,
+        qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False,
+        False, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
+    dq_MH, far_dbias = _dq_key_blocks(
+        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
+        far_bias_log2, dbias_row_R2, rows_M, q_start, k_len, diag, full_stop, k_stop,
+        qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False,
+        True, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+    if HAS_BIAS:
+        tl.atomic_add(dbias_row_R2, far_dbias, sem="relaxed")
     tl.store(
         dq_TqNH + q_offsets_MH, (dq_MH * scale).to(dq_TqNH.dtype.element_ty), mask=row_ok_M[:, None]
     )
