@@ -112,6 +112,23 @@ def test_gpu_casts_match_reference_bit_for_bit(elem):
     _check_all(elem, "cuda", "auto")
 
 
+@pytest.mark.gpu
+def test_gpu_rows_cast_of_a_tall_tensor_loops_over_row_blocks():
+    """Past 32 MiB the rows kernel's persistent programs take several row blocks each (and keep
+    the column amax over them): the G1 shapes' path, with and without the transposed copy."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(16384 + 40, 1024, generator=gen) * 4).to(torch.bfloat16)
+    mult = _row_mult(x.shape[0], 7)
+    for transposed, m in ((True, None), (False, mult)):
+        got = cast_rows(x.cuda(), transposed=transposed, col_amax_row_mult=_to(m, "cuda"))
+        want = cast_rows(x, transposed=transposed, col_amax_row_mult=m, backend="reference")
+        _assert_same(got, want)
+
+
+def _to(t, device):
+    return None if t is None else t.to(device)
+
+
 def _rowcol_inputs():
     every = every_pattern_matrix().reshape(-1, 128)  # 1020 rows: pad to a multiple of 128
     every = torch.cat([every, torch.zeros(1024 - every.shape[0], 128, dtype=every.dtype)])
@@ -148,3 +165,54 @@ def test_mx_rowcol_k128_refuses_unaligned_shapes():
 @ELEMS
 def test_gpu_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
     _check_rowcol(elem, "cuda", "auto")
+
+
+_CODEGEN_SCRIPT = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import torch
+from gem_lowprec.formats import elem_format
+from gem_lowprec.ops.fp8_cast import triton as K
+
+signature = {"x_ptr": "*i16", "row_mult_ptr": "*fp32", "data_ptr": "*u8", "data_t_ptr": "*u8",
+             "scale_ptr": "*fp32", "col_amax_ptr": "*i32", "R": "i32", "C": "i32"}
+fn = K.cast_rows_kernel
+attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in signature}
+out = {}
+for transposed in (False, True):
+    constants = dict(BLOCK_R=16, BLOCK_C=512, TRANSPOSED=transposed, COL_AMAX=False,
+                     ONE_CHUNK=False, HW_CONVERT=True, IN_BF16=True,
+                     **K.format_constants(elem_format(torch.float8_e4m3fn)))
+    src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    out[str(transposed)] = {"casts": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+                            "byte_stores": ptx.count("st.global.b8")}
+print(json.dumps(out))
+"""
+
+
+def test_transposed_copy_is_cast_on_its_own_in_sm90_code():
+    """The H200 trap: a tile of fp8 bytes stored twice (row-major and, through a layout
+    conversion, transposed) came out with foreign bytes in the transposed copy. Compiled for
+    sm_90 (no GPU needed), the rows kernel with the transposed copy must run twice the casts of
+    the one without (its own cast for the transposed copy, not merged with the row-major one),
+    and store no single bytes (both copies vectorized)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # real @triton.jit functions, not interpreted
+    done = subprocess.run(
+        [sys.executable, "-c", _CODEGEN_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, transposed = counts["False"], counts["True"]
+    assert plain["casts"] > 0 and transposed["casts"] == 2 * plain["casts"], counts
+    assert plain["byte_stores"] == transposed["byte_stores"] == 0, counts
