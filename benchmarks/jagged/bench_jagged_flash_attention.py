@@ -76,15 +76,22 @@ def workloads(smoke: bool, only: tuple[str, ...] = ()) -> list[Workload]:
     return [w for w in found if not only or w.name in only]
 
 
-def project_fn(w, q, k, v, device):
+def project_fn(w, q, k, v, device, *, rel_bias_radius=None):
+    """The project's call; with ``rel_bias_radius`` R it also learns a relative bias
+    ``[N, 2R+1]`` (the trainer's setting; its gradient is part of the backward)."""
     q_off = common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
     hints = dict(max_q_len=int(w.q_lengths.max()), max_kv_len=int(w.kv_lengths.max()))
     backend = "triton"
+    rel_bias = None
+    if rel_bias_radius is not None:
+        gen = torch.Generator().manual_seed(0)
+        rel_bias = torch.randn(q.shape[1], 2 * rel_bias_radius + 1, generator=gen) * 0.1
+        rel_bias = rel_bias.to(device).requires_grad_()
 
     def fn(q, k, v):
         return jagged_flash_attention(
-            q, k, v, q_off, kv_off, causal=w.causal, backend=backend, **hints
+            q, k, v, q_off, kv_off, causal=w.causal, rel_bias=rel_bias, backend=backend, **hints
         )
 
     return fn
@@ -108,14 +115,19 @@ def nested_fn(w, device):
 ANCHORS = ("flex", "padded", "nested")
 
 
-def run(smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False, only=()) -> None:
+def run(
+    smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False, only=(),
+    rel_bias_radius: int | None = None,
+) -> None:  # fmt: skip
     device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
     bench, anchor_bench = ab.benches(smoke, quick=quick)
-    print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}")
+    bias_note = "" if rel_bias_radius is None else f", project with rel_bias R={rel_bias_radius}"
+    print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}"
+          f"{bias_note} (anchors without bias)")  # fmt: skip
     rows, headline = [], {}
     for w in workloads(smoke, only):
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
-        project = project_fn(w, q, k, v, device)
+        project = project_fn(w, q, k, v, device, rel_bias_radius=rel_bias_radius)
         fns = {"project": (project, (q, k, v, do))}
         if not smoke and not quick:  # smoke mode leaves compilation to the compile test
             fns["compiled"] = (torch.compile(project, fullgraph=True), (q, k, v, do))
@@ -331,6 +343,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", default="", help="comma-separated workloads to run (default: all), e.g. J1,J3"
     )
+    parser.add_argument(
+        "--rel-bias", type=int, default=None, metavar="R",
+        help="the project learns a relative bias of radius R (gem-small: 32); anchors have none",
+    )  # fmt: skip
     args = parser.parse_args()
     only = tuple(name for name in args.only.split(",") if name)
-    run(args.smoke, args.sweep, args.project_only, args.quick, only)
+    run(args.smoke, args.sweep, args.project_only, args.quick, only, args.rel_bias)
