@@ -10,12 +10,13 @@ column, ``_RC`` a tile of rows × columns, ``_CR`` the same tile transposed.
 2. Turn each row amax into its power-of-two scale (the E8M0 rule of the MX kernels).
 3. Read the rows again (the grid is sized so that a wave's rows fit in L2: the second read comes
    from L2, not HBM), cast, store the fp8 row-major and, when asked, also transposed (``[C, R]``):
-   the same bytes in the layout the weight-gradient GEMM contracts over. The transposed bytes are
-   cast again from the transposed float32 tile rather than moved as bytes: on an H200 (Triton
-   3.6) the transposed store of the very bytes that were also stored row-major came out with a
-   column of foreign bytes (the fp8-store miscompile reported upstream for ptxas 12.9, which
-   needs both stores of one converted tensor), while a transposed store of its own cast (the
-   pattern of the both-ways MX kernels) is exact. The extra cast is a multiply and a convert.
+   the same bytes in the layout the weight-gradient GEMM contracts over. The transposed copy is
+   read again (transposed, from L1) and cast on its own rather than moved as bytes: on an H200
+   (Triton 3.6) a transposed store of the very fp8 tile that was also stored row-major came out
+   with a wrong column (the pattern of an upstream report of fp8 double stores miscompiled by
+   ptxas 12.9), while the both-ways MX kernels, whose transposed copy is a cast of its own, are
+   exact. ``tl.trans`` of the float32 tile does not do: it only relabels registers, and LLVM
+   merges its cast with the row-major one (a CPU test compiles for sm_90 and counts the casts).
 
 ``tile_amax_kernel`` + ``cast_both_kernel`` cast a (small) weight both ways in two launches
 after a zero-fill: the first reads each tile with one load and folds its row and column amaxes
@@ -324,9 +325,8 @@ def cast_columns_kernel(
         HW_CONVERT,
         False,
     )
-    tl.store(
-        data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC
-    )  # one cast, one store
+    # one cast, one store (the transposed addresses get a layout conversion of the bytes)
+    tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC)
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + cols_C, scale_float(byte_C), mask=col_ok_C)
 
