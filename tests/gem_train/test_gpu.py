@@ -102,3 +102,20 @@ def test_training_steps_stop_compiling_kernels(small, recipe):
     assert compiled_kernel_variants() == before, (
         f"steps 8–15 compiled {compiled_kernel_variants() - before} new kernel variants"
     )
+
+
+@pytest.mark.gpu
+def test_training_steps_read_nothing_back_from_embeddings_or_offsets(small):
+    """The embedding lookups (ids per key known on the host) and the attention ops (history
+    offsets checked on the host as they move) do not synchronise with the GPU in a step."""
+    from gem_train.components import build_run
+    from gem_train.profiling import StepTimer, count_syncs
+    from gem_train.train import train_step
+
+    run = build_run(small(**GPU, steps=6, lowprec__recipe="none", lowprec__autocast_bf16=True))
+    timer = StepTimer(run.device, enabled=False)
+    for step in range(3):
+        train_step(run, next(run.batches), step, timer)
+    _, sites = count_syncs(lambda: [train_step(run, next(run.batches), s, timer) for s in (3, 4)])
+    offending = {s: n for s, n in sites.items() if "embeddings" in s or "_checks" in s}
+    assert not offending, f"host syncs in a step: {dict(sites)}"

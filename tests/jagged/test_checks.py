@@ -47,3 +47,48 @@ def test_inference_mode_offsets_are_checked_every_call():
         for _ in range(2):
             check_offsets("offsets", offsets, total=5, device=offsets.device)
         assert not _checks._already_checked(offsets, 5)
+
+
+@pytest.mark.parametrize(
+    "offsets, message",
+    [
+        (torch.tensor([[0, 1]]), "1-D"),
+        (torch.tensor([0.0, 1.0]), "int32 or int64"),
+        (torch.tensor([1, 2]), r"\[0\] must be 0"),
+        (torch.tensor([0, 3, 2]), "non-decreasing"),
+        ([0, 1], "torch.Tensor"),
+        (torch.tensor([0, 1], device="meta"), "must be on the CPU"),
+    ],
+)
+def test_offsets_to_device_checks_on_the_host(offsets, message):
+    from gem_jagged import offsets_to_device
+
+    with pytest.raises((ValueError, TypeError), match=message):
+        offsets_to_device(offsets, "cpu")
+
+
+def test_offsets_to_device_moves_the_values_unchanged():
+    from gem_jagged import offsets_to_device
+
+    offsets = torch.tensor([0, 2, 2, 9], dtype=torch.int32)
+    moved = offsets_to_device(offsets, "cpu")
+    assert moved.dtype == torch.int32 and torch.equal(moved, offsets)
+
+
+@pytest.mark.gpu
+def test_offsets_moved_checked_need_no_sync_at_the_op():
+    """A jagged op on offsets moved by offsets_to_device reads no value back to the host."""
+    from gem_jagged import jagged_flash_attention, offsets_to_device
+
+    offsets = offsets_to_device(torch.tensor([0, 5, 5, 40]), "cuda")
+    assert _checks._already_checked(offsets, 40)
+    q = torch.randn(40, 2, 32, device="cuda", dtype=torch.bfloat16)
+    jagged_flash_attention(q, q, q, offsets, causal=True, max_q_len=35)  # compile, build lists
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        jagged_flash_attention(q, q, q, offsets, causal=True, max_q_len=35)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="must equal the number of tokens 41"):
+        check_offsets("offsets", offsets, total=41, device=offsets.device)

@@ -158,6 +158,24 @@ def test_split_features_checks_keys_lengths_and_dtypes():
         KeyedJagged(["a", "b"], torch.zeros(3, dtype=torch.int64), torch.tensor([1, 1, 1]))
 
 
+def test_length_per_key_given_is_used_and_computed_otherwise():
+    """Counts given at construction split the ids without summing ``lengths`` (a device read on
+    a GPU); without them they are summed once and remembered; a wrong count is refused."""
+    values, lengths = torch.arange(6), torch.tensor([1, 2, 0, 3])  # a: 3 ids, b: 3 ids
+    kjt = KeyedJagged(["a", "b"], values, lengths)
+    assert kjt.length_per_key() == [3, 3]
+    given = KeyedJagged(["a", "b"], values, lengths, length_per_key=[3, 3])
+    given._lengths = torch.full_like(lengths, 99)  # would sum differently: the counts are trusted
+    parts = split_features(given, expected=["a", "b"])
+    assert parts["a"].ids.tolist() == [0, 1, 2] and parts["b"].ids.tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="one count per key"):
+        KeyedJagged(["a", "b"], values, lengths, length_per_key=[6])
+    with pytest.raises(ValueError, match="sums to 5"):
+        split_features(
+            KeyedJagged(["a", "b"], values, lengths, length_per_key=[2, 3]), expected=["a", "b"]
+        )
+
+
 def test_tables_reject_bad_configuration_and_ids():
     with pytest.raises(ValueError, match="pooling must be one of"):
         EmbeddingTables(TABLES, pooling="max")

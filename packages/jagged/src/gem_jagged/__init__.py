@@ -9,7 +9,9 @@ kernel (``backend="auto"`` takes Triton on CUDA tensors, the reference on CPU te
   for self-attention, cross-attention over short K/V, and PMA pooling with shared seeds.
 - ``block_attention``: softmax attention inside fixed blocks of tokens with fused RoPE.
 
-Jagged tensors follow torchrec: ``values [T, ...]`` plus ``offsets [B+1]``. The ops are imported
+Jagged tensors follow torchrec: ``values [T, ...]`` plus ``offsets [B+1]``. The ops check the
+offsets' values once per tensor (a host sync on CUDA); ``offsets_to_device`` checks host offsets
+on the host as it moves them, so the ops need not. The ops are imported
 on first use, so ``import gem_jagged`` stays cheap and does not import triton.
 """
 
@@ -19,6 +21,7 @@ _OPS = {
     "jagged_flash_attention": "gem_jagged.ops.jagged_flash_attention",
     "gdpa": "gem_jagged.ops.gdpa",
     "block_attention": "gem_jagged.ops.block_attention",
+    "offsets_to_device": "gem_jagged._checks",
 }
 
 __all__ = list(_OPS)

@@ -8,7 +8,9 @@ On CUDA that costs one device-to-host copy and a synchronisation, so it is paid 
 tensor: a tensor that passed is remembered (by identity and version counter, so an in-place
 change is checked again) and the layers of a model that share one batch's offsets sync once, not
 once per call. The value checks are skipped inside CUDA-graph capture and under
-``torch.compile`` tracing; the shape, dtype and device checks always run.
+``torch.compile`` tracing; the shape, dtype and device checks always run. A pipeline that builds
+offsets on the host can check them there for free and move them with ``offsets_to_device``,
+which remembers the copy as checked: no synchronisation at all.
 """
 
 import weakref
@@ -97,7 +99,43 @@ def check_offsets(
         validate_values = not _tracing()
     if not validate_values or _already_checked(offsets, total):
         return
-    host = offsets.detach().to("cpu", torch.int64)
+    _check_offset_values(name, offsets.detach().to("cpu", torch.int64), total=total)
+    if offsets.device.type == "cuda" and not offsets.is_inference():
+        _remember_checked(offsets, total)  # (inference tensors track no version: check each call)
+
+
+def offsets_to_device(
+    offsets: torch.Tensor, device: torch.device | str, *, non_blocking: bool = False
+) -> torch.Tensor:
+    """Check host ``offsets [B+1]`` on the host and copy them to ``device``, remembered as
+    checked: the jagged ops then skip their own value check of the copy, which on CUDA costs a
+    device-to-host copy and a synchronisation. For data pipelines that build offsets on the
+    host, as most do. The values must end at the token count the ops are given
+    (``offsets[-1]``); anything else is checked again, and fails, at the op.
+    """
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.device.type != "cpu":
+        raise ValueError(
+            f"offsets must be on the CPU (the check is free there), got {offsets.device}"
+        )
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(
+            f"offsets must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}"
+        )
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    host = offsets.to(torch.int64)
+    total = int(host[-1])
+    _check_offset_values("offsets", host, total=total)
+    moved = offsets.to(device, non_blocking=non_blocking)
+    if moved.device.type == "cuda" and not moved.is_inference():
+        _remember_checked(moved, total)
+    return moved
+
+
+def _check_offset_values(name: str, host: torch.Tensor, *, total: int) -> None:
+    """Starts at 0, never decreases, ends at ``total`` (``host``: int64 on the CPU)."""
     if host[0].item() != 0:
         raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
     steps = host[1:] - host[:-1]
@@ -109,8 +147,6 @@ def check_offsets(
         )
     if host[-1].item() != total:
         raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
-    if offsets.device.type == "cuda" and not offsets.is_inference():
-        _remember_checked(offsets, total)  # (inference tensors track no version: check each call)
 
 
 # id(offsets) -> (weak reference, version counter, token total) of CUDA offsets that passed.

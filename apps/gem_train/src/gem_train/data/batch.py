@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+from gem_jagged import offsets_to_device
 
 SEQUENCE_FEATURES = ("item", "action", "category", "time_bucket")
 CANDIDATE_FEATURES = ("ad", "ad_category", "advertiser")
@@ -64,12 +65,19 @@ class Batch:
         return self.offsets[1:] - self.offsets[:-1]
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(
-            **{
-                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                for f in fields(self)
-            }
-        )
+        """The batch on ``device``. History offsets built on the host are checked there as they
+        move (``gem_jagged.offsets_to_device``), so the attention ops need not read them back
+        from the GPU (a synchronisation per step)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if f.name != "offsets"
+        }
+        if self.offsets.device.type == "cpu":
+            moved["offsets"] = offsets_to_device(self.offsets, device, non_blocking=non_blocking)
+        else:
+            moved["offsets"] = self.offsets.to(device, non_blocking=non_blocking)
+        return Batch(**moved)
 
     def padded(self, *, token_multiple: int, sample_multiple: int = 16) -> "Batch":
         """This batch followed by dummy samples (ids 0, labels 0, no segments) so that the token

@@ -104,13 +104,16 @@ def keyed_jagged(backend: str, features: dict[str, tuple[torch.Tensor, torch.Ten
     keys = list(features)
     values = torch.cat([features[k][0] for k in keys])
     lengths = torch.cat([features[k][1][1:] - features[k][1][:-1] for k in keys])
+    # ids per key, known on the host: the tables need not sum the lengths on the device and
+    # read them back (a synchronisation per lookup)
+    per_key = [int(features[k][0].numel()) for k in keys]
     if backend == "torchrec":
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, length_per_key=per_key)
     from gem_parallel.embeddings import KeyedJagged
 
-    return KeyedJagged(keys, values, lengths)
+    return KeyedJagged(keys, values, lengths, length_per_key=per_key)
 
 
 def lookup(module: nn.Module, backend: str, features, *, pooled: bool) -> dict[str, torch.Tensor]:

@@ -26,6 +26,8 @@ class KeyedJagged:
         values: torch.Tensor,
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
+        *,
+        length_per_key: list[int] | None = None,
     ):
         keys = list(keys)
         if len(keys) == 0:
@@ -35,7 +37,13 @@ class KeyedJagged:
                 f"lengths must be 1-D with a multiple of len(keys)={len(keys)} entries "
                 f"(key-major [F * B]), got shape {tuple(lengths.shape)}"
             )
+        if length_per_key is not None and len(length_per_key) != len(keys):
+            raise ValueError(
+                f"length_per_key must hold one count per key ({len(keys)}), "
+                f"got {len(length_per_key)}"
+            )
         self._keys, self._values, self._lengths, self._weights = keys, values, lengths, weights
+        self._length_per_key = None if length_per_key is None else [int(n) for n in length_per_key]
 
     @classmethod
     def from_dict(cls, features: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> "KeyedJagged":
@@ -59,6 +67,14 @@ class KeyedJagged:
 
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
+
+    def length_per_key(self) -> list[int]:
+        """Ids per key, as torchrec's: given at construction, or summed from ``lengths`` (a
+        device-to-host read when they live on a GPU) and remembered."""
+        if self._length_per_key is None:
+            batch = self.stride()
+            self._length_per_key = self._lengths.view(len(self._keys), batch).sum(1).tolist()
+        return self._length_per_key
 
     def stride(self) -> int:
         return self._lengths.numel() // len(self._keys)
@@ -104,7 +120,10 @@ def split_features(kjt, *, expected: list[str]) -> dict[str, FeatureIds]:
             f"{batch} * {len(keys)}"
         )
     lengths_FB = lengths.view(len(keys), batch).to(torch.int64)
-    per_key = lengths_FB.sum(1).tolist()
+    if callable(getattr(kjt, "length_per_key", None)):
+        per_key = list(kjt.length_per_key())  # torchrec's and ours remember it (no device read)
+    else:
+        per_key = lengths_FB.sum(1).tolist()
     if sum(per_key) != values.numel():
         raise ValueError(
             f"features.lengths() sums to {sum(per_key)} but features.values() holds "
