@@ -1,0 +1,84 @@
+"""Do training steps stop compiling Triton kernels? Per step of a gem-small run: the step time
+and every Triton kernel (of any package) that compiled a new variant during it, with the
+specialisation key of the newest variant.
+
+A kernel that specialises on something batch-dependent (an integer's divisibility, a pointer's
+alignment, a constexpr computed from the batch) compiles again on many steps and makes them
+hundreds of ms slower on the host; that is what this script is for finding. Flags are the
+trainer's overrides (``section.field=value``), applied to gem-small.
+
+    python benchmarks/gem_train/bench_compile_stability.py --steps 8 memory.autoac=true
+
+``--smoke`` runs a tiny config on the CPU (nothing compiles there: the interpreter runs).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+
+def kernel_variants() -> dict[str, tuple[int, str]]:
+    """``{module.kernel: (compiled variants, newest key)}`` over every loaded Triton kernel."""
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("gem_", "triton_")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                caches = [c[0] for c in value.device_caches.values()]
+                count = sum(len(c) for c in caches)
+                newest = next((str(list(c)[-1]) for c in caches if c), "")
+                found[f"{name}.{attr}"] = (count, newest)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument("overrides", nargs="*", help="section.field=value")
+    args = parser.parse_args()
+    from gem_train.components import build_run
+    from gem_train.config import apply_overrides, named_config
+    from gem_train.profiling import StepTimer
+    from gem_train.train import train_step
+
+    flags = {"model.embeddings": "native", "metrics.progress": "false", "data.eval_batches": "0"}
+    if args.smoke or not torch.cuda.is_available():
+        flags |= {"device": "cpu", "model.d_model": "64", "model.n_heads": "2",
+                  "model.n_layers": "1", "model.ffn_hidden": "128", "model.mlp_hidden": "64",
+                  "data.batch_size": "8", "data.sub_batch_size": "4", "data.max_len": "128",
+                  "memory.budget_gib": "4", "lowprec.autocast_bf16": "false"}  # fmt: skip
+    flags |= dict(o.split("=", 1) for o in args.overrides)
+    flags["steps"] = str(args.steps)
+    cfg = apply_overrides(named_config("gem-small"), flags)
+    print(f"compile stability: {common.environment()}; overrides {flags}", flush=True)
+    run = build_run(cfg)
+    print(f"built: {'; '.join(run.notes)}", flush=True)
+    timer = StepTimer(run.device, enabled=False)
+    before = kernel_variants()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        train_step(run, next(run.batches), step, timer)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        after = kernel_variants()
+        grew = {k: v for k, v in after.items() if v[0] > before.get(k, (0, ""))[0]}
+        print(f"step {step}: {ms:.0f} ms, {sum(v[0] for v in after.values())} variants, "
+              f"{len(grew)} kernels compiled", flush=True)  # fmt: skip
+        for name, (count, key) in grew.items():
+            print(f"    {name}: {count} variants; newest {key[:400]}", flush=True)
+        before = after
+
+
+if __name__ == "__main__":
+    main()
