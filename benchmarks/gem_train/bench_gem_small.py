@@ -107,7 +107,8 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
     t_build = time.perf_counter()
     run = build_run(cfg)
     build_s = time.perf_counter() - t_build
-    print(f"built in {build_s:.1f} s ({'; '.join(run.notes) or 'no optimisations'})", flush=True)
+    notes = "; ".join(run.notes) or "no optimisations"
+    print(f"built in {build_s:.1f} s ({notes})", flush=True)
     device, cuda = run.device, run.device.type == "cuda"
     reporter = Reporter(run, start_step=0, t_start=time.perf_counter())
     timer = StepTimer(device, enabled=False)
@@ -157,7 +158,7 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
         "e2e_mfu": flops / seconds / peak if peak else float("nan"), "local_mfu": local_mfu,
         "layers": layers, "peak_gib": memory, "loss": last_loss, "build_s": build_s,
         "phases": phases, "syncs_per_step": sum(syncs.values()) / max(1, sync_steps),
-        "sync_sites": syncs.most_common(6), "kernels": kernels,
+        "sync_sites": syncs.most_common(6), "kernels": kernels, "notes": notes,
     }  # fmt: skip
 
 
@@ -328,6 +329,7 @@ def main() -> None:
                 result = {"qps": float("nan")}
             else:
                 lines.append(_one_line(result))
+                lines.append(f"    built with: {result['notes']}")
             with printing:  # each finished variant's lines at once, kept if a later one stops
                 print("\n".join(lines), flush=True)
             return result
