@@ -12,7 +12,10 @@ Rows (each variant in its own process, one after another, same data, same steps)
 - ``PyTorch-native``: the anchor, the same model from PyTorch pieces: padded SDPA, BF16, no
   checkpointing, no shuffling.
 
-Each row runs the trainer's own loop (``train_step`` and the ``Reporter``) and reports QPS
+Each row runs the trainer's own loop (``train_step`` and the ``Reporter``), warms up for
+``--warmup`` steps and then until a step compiles no Triton kernel variant (at most 12 more: the
+first row's process also fills Triton's disk cache, and one compile costs a second of host time),
+and reports QPS
 (samples/s after warm-up), E2E MFU (useful FLOPs of the real tokens per second over the datasheet
 BF16 peak, 989 TFLOP/s for the H200), Local MFU (each layer alone, FLOP-weighted; ``gem-train
 mfu``; measured once per distinct numerics and reused by the rows that share them), Scaling Ratio
@@ -80,6 +83,7 @@ SMOKE = {
     "lowprec.token_multiple": "128",
 }  # fmt: skip
 RESULT = "A2-RESULT "  # the line a variant's process ends with
+MAX_EXTRA_WARMUP = 12  # warm-up steps beyond --warmup while steps still compile kernels
 
 
 def config_of(flags: dict, *, steps: int, smoke: bool):
@@ -95,6 +99,7 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
                 sync_steps: int, profile: str | None) -> dict:  # fmt: skip
     """Train ``warmup + steps`` steps of the variant with the trainer's loop; time the last ``steps``."""
     import torch
+    from gem_jagged.testing import compiled_kernel_variants
     from gem_train.components import build_run
     from gem_train.metrics import batch_flops, peak_flops
     from gem_train.mfu import local_mfu_of
@@ -103,7 +108,7 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
     from gem_train.train import train_step
 
     extra = sync_steps + (1 if profile else 0)
-    cfg = config_of(flags, steps=warmup + steps + extra, smoke=smoke)
+    cfg = config_of(flags, steps=warmup + MAX_EXTRA_WARMUP + steps + extra, smoke=smoke)
     t_build = time.perf_counter()
     run = build_run(cfg)
     build_s = time.perf_counter() - t_build
@@ -123,25 +128,33 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
         timer.mark("metrics")
         return prepared, loss
 
+    # Warm up for ``warmup`` steps, then on until a step compiles no Triton kernel variant (a
+    # compile costs the host a second or more; the first process also fills the disk cache).
+    warmed, variants = 0, compiled_kernel_variants()
+    while warmed < warmup + MAX_EXTRA_WARMUP:
+        step(warmed)
+        warmed, compiled = warmed + 1, compiled_kernel_variants() - variants
+        variants += compiled
+        if warmed >= warmup and not compiled:
+            break
+    print(f"warmed up in {warmed} steps ({variants} compiled kernel variants)", flush=True)
     samples = flops = 0.0
-    t0 = time.perf_counter()
-    for i in range(warmup + steps):
-        if i == warmup:
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0, timer.enabled = time.perf_counter(), True
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0, timer.enabled = time.perf_counter(), True
+    for i in range(warmed, warmed + steps):
         prepared, loss = step(i)
-        if i >= warmup:
-            samples += prepared.real_samples
-            flops += batch_flops(cfg.model, prepared.lengths)
+        samples += prepared.real_samples
+        flops += batch_flops(cfg.model, prepared.lengths)
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
+    late = compiled_kernel_variants() - variants
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     phases = timer.summary()
     timer.enabled = False
     print(f"timed {steps} steps in {seconds:.1f} s; counting syncs, then Local MFU", flush=True)
-    first = warmup + steps
+    first = warmed + steps
     _, syncs = count_syncs(lambda: [step(first + k) for k in range(sync_steps)])
     kernels = profile_step(lambda: step(first + sync_steps), profile) if profile else None
     last_loss = loss.item()
@@ -159,6 +172,7 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
         "layers": layers, "peak_gib": memory, "loss": last_loss, "build_s": build_s,
         "phases": phases, "syncs_per_step": sum(syncs.values()) / max(1, sync_steps),
         "sync_sites": syncs.most_common(6), "kernels": kernels, "notes": notes,
+        "warmup_steps": warmed, "compiled_while_timed": late,
     }  # fmt: skip
 
 
@@ -329,7 +343,9 @@ def main() -> None:
                 result = {"qps": float("nan")}
             else:
                 lines.append(_one_line(result))
-                lines.append(f"    built with: {result['notes']}")
+                lines.append(f"    built with: {result['notes']}; warmed up in "
+                             f"{result['warmup_steps']} steps; kernel variants compiled while "
+                             f"timed: {result['compiled_while_timed']}")  # fmt: skip
             with printing:  # each finished variant's lines at once, kept if a later one stops
                 print("\n".join(lines), flush=True)
             return result
