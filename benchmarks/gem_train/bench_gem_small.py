@@ -107,7 +107,9 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
     from gem_train.reporting import Reporter
     from gem_train.train import train_step
 
-    extra = sync_steps + (1 if profile else 0)
+    # one spare step: the run's last step closes the reporter's window (a sync by design),
+    # which must not be counted as a step's syncs
+    extra = sync_steps + (1 if profile else 0) + 1
     cfg = config_of(flags, steps=warmup + MAX_EXTRA_WARMUP + steps + extra, smoke=smoke)
     t_build = time.perf_counter()
     run = build_run(cfg)
