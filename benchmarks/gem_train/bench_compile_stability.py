@@ -23,29 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 
-def kernel_variants() -> dict[str, tuple[int, str]]:
-    """``{module.kernel: (compiled variants, newest key)}`` over every loaded Triton kernel."""
-    from triton.runtime.jit import JITFunction
-
-    found = {}
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(("gem_", "triton_")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                caches = [c[0] for c in value.device_caches.values()]
-                count = sum(len(c) for c in caches)
-                newest = next((str(list(c)[-1]) for c in caches if c), "")
-                found[f"{name}.{attr}"] = (count, newest)
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args()
+    from gem_jagged.testing import kernel_variants
     from gem_train.components import build_run
     from gem_train.config import apply_overrides, named_config
     from gem_train.profiling import StepTimer
@@ -64,14 +48,15 @@ def main() -> None:
     run = build_run(cfg)
     print(f"built: {'; '.join(run.notes)}", flush=True)
     timer = StepTimer(run.device, enabled=False)
-    before = kernel_variants()
+    prefixes = ("gem_", "triton_")
+    before = kernel_variants(prefixes)
     for step in range(args.steps):
         t0 = time.perf_counter()
         train_step(run, next(run.batches), step, timer)
         if run.device.type == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
-        after = kernel_variants()
+        after = kernel_variants(prefixes)
         grew = {k: v for k, v in after.items() if v[0] > before.get(k, (0, ""))[0]}
         print(f"step {step}: {ms:.0f} ms, {sum(v[0] for v in after.values())} variants, "
               f"{len(grew)} kernels compiled", flush=True)  # fmt: skip

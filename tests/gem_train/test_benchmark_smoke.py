@@ -16,3 +16,13 @@ def test_a2_smoke_runs_the_optimised_and_native_models():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "| all on" in done.stdout and "| PyTorch-native" in done.stdout
+
+
+def test_compile_stability_smoke_reports_each_step():
+    script = SCRIPT.with_name("bench_compile_stability.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--steps", "1", "memory.autoac=false"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "step 0:" in done.stdout and "kernels compiled" in done.stdout

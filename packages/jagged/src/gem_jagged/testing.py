@@ -30,6 +30,7 @@ __all__ = [
     "offsets_from_lengths",
     "assert_within_reference_error",
     "compiled_kernel_variants",
+    "kernel_variants",
 ]
 
 _EPS = {
@@ -123,17 +124,24 @@ def assert_within_reference_error(
         )
 
 
-def compiled_kernel_variants(module_prefix: str = "gem_") -> int:
-    """Compiled variants held by every Triton kernel defined in the loaded modules whose name
-    starts with ``module_prefix``, over all devices (0 under the interpreter, which compiles
-    nothing)."""
+def kernel_variants(module_prefix: str | tuple[str, ...] = "gem_") -> dict[str, tuple[int, str]]:
+    """``{"module.kernel": (compiled variants, newest specialisation key)}`` for every Triton
+    kernel defined in the loaded modules whose name starts with ``module_prefix``, over all
+    devices (no variants under the interpreter, which compiles nothing)."""
     from triton.runtime.jit import JITFunction
 
-    count = 0
+    found = {}
     for name, module in list(sys.modules.items()):
-        if not name.startswith(module_prefix) or module is None:
+        if module is None or not name.startswith(module_prefix):
             continue
-        for value in list(vars(module).values()):
+        for attr, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
-                count += sum(len(caches[0]) for caches in value.device_caches.values())
-    return count
+                caches = [c[0] for c in value.device_caches.values()]
+                newest = next((str(list(c)[-1]) for c in caches if c), "")
+                found[f"{name}.{attr}"] = (sum(len(c) for c in caches), newest)
+    return found
+
+
+def compiled_kernel_variants(module_prefix: str | tuple[str, ...] = "gem_") -> int:
+    """How many compiled variants the Triton kernels of ``kernel_variants`` hold in all."""
+    return sum(count for count, _ in kernel_variants(module_prefix).values())
