@@ -273,7 +273,7 @@ def launch(
         return None, f"{out[-1500:]}\n(timed out after {args.variant_timeout} s)"
     lines = done.stdout.splitlines()
     result = next((json.loads(x[len(RESULT) :]) for x in lines if x.startswith(RESULT)), None)
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
+    tail = _failure_summary((done.stdout + done.stderr).splitlines())
     return (result if done.returncode == 0 else None), tail
 
 
@@ -372,6 +372,18 @@ def _one_line(r: dict) -> str:
     return (f"    {r['qps']:.0f} QPS, {r['step_ms']:.1f} ms/step, E2E MFU {r['e2e_mfu']:.3f}, "
             f"Local MFU {r['local_mfu']:.3f}, peak {r['peak_gib']:.1f} GiB; ms GPU/host: {phases}; "
             f"{r['syncs_per_step']:.0f} host syncs/step")  # fmt: skip
+
+
+def _failure_summary(lines: list[str]) -> str:
+    """The output's last 25 lines, preceded by each earlier exception with the frames just above
+    it: a chained exception (say, a CUDA error re-raised while an RNG state is restored)
+    otherwise hides the first error above the tail."""
+    tail_start = max(0, len(lines) - 25)
+    earlier = []
+    for i, line in enumerate(lines[:tail_start]):
+        if line and not line[0].isspace() and ("Error" in line or "Exception" in line):
+            earlier += ["(earlier)"] + lines[max(0, i - 6) : i + 1]
+    return "\n".join(earlier[-42:] + lines[tail_start:])
 
 
 def _indent(text: str) -> str:
