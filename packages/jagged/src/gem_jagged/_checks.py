@@ -99,7 +99,18 @@ def check_offsets(
         validate_values = not _tracing()
     if not validate_values or _already_checked(offsets, total):
         return
-    _check_offset_values(name, offsets.detach().to("cpu", torch.int64), total=total)
+    host = offsets.detach().to("cpu", torch.int64)
+    if host[0].item() != 0:
+        raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
+    steps = host[1:] - host[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0].item())
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{i + 1}] = {host[i + 1].item()} "
+            f"< {name}[{i}] = {host[i].item()}"
+        )
+    if host[-1].item() != total:
+        raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
     if offsets.device.type == "cuda" and not offsets.is_inference():
         _remember_checked(offsets, total)  # (inference tensors track no version: check each call)
 
@@ -119,34 +130,14 @@ def offsets_to_device(
         raise ValueError(
             f"offsets must be on the CPU (the check is free there), got {offsets.device}"
         )
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(
-            f"offsets must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}"
-        )
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
-    host = offsets.to(torch.int64)
-    total = int(host[-1])
-    _check_offset_values("offsets", host, total=total)
+    # the ops' own check, on the host: the total is whatever the offsets end at (the op
+    # compares it with its token count when it meets the copy)
+    total = int(offsets[-1]) if offsets.dim() == 1 and offsets.numel() > 0 else 0
+    check_offsets("offsets", offsets, total=total, device=offsets.device)
     moved = offsets.to(device, non_blocking=non_blocking)
     if moved.device.type == "cuda" and not moved.is_inference():
         _remember_checked(moved, total)
     return moved
-
-
-def _check_offset_values(name: str, host: torch.Tensor, *, total: int) -> None:
-    """Starts at 0, never decreases, ends at ``total`` (``host``: int64 on the CPU)."""
-    if host[0].item() != 0:
-        raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
-    steps = host[1:] - host[:-1]
-    if bool((steps < 0).any()):
-        i = int(torch.nonzero(steps < 0)[0].item())
-        raise ValueError(
-            f"{name} must be non-decreasing, but {name}[{i + 1}] = {host[i + 1].item()} "
-            f"< {name}[{i}] = {host[i].item()}"
-        )
-    if host[-1].item() != total:
-        raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
 
 
 # id(offsets) -> (weak reference, version counter, token total) of CUDA offsets that passed.
