@@ -289,7 +289,11 @@ def test_a_policy_out_of_memory_alone_is_never_chosen(toy_factory, monkeypatch):
         model, x, budget_bytes=generous, profile=profile, policies=("keep", "selective", "full")
     )
     assert plan.policies["blocks.1"] != "keep"
-    assert all(p == "keep" for n, p in plan.policies.items() if n != "blocks.1")
+    # With room to spare every region takes its cheapest policy (``keep``, or one that timed as
+    # fast: on a busy CPU a tie goes to the plan that keeps fewer bytes).
+    for region in profile.regions:
+        chosen = region.recompute_ms(plan.policies[region.name])
+        assert chosen == min(region.recompute_ms(p) for p in region.policies), region.name
     assert "out of memory" in str(plan)
     with pytest.raises(ValueError, match=r"ran out of device memory.*\['blocks.1'\]"):
         gem_memory.plan_checkpointing(
