@@ -26,17 +26,21 @@ Backward, dQ kernel (one program per (query tile, head), a query work list like 
     anyway, and stores it for the dK/dV kernel (no separate launch, no second pass over ``O``
     and ``dO``). Then it mirrors the forward loop: ``dQ += dS K``. It also owns the
     relative-bias gradient: each program reduces ``dS`` of its tiles by diagonal into its own
-    row of a partial buffer (the two clamped edge buckets take one masked tile sum each; only
-    tiles crossing the band |j − i| < R reduce their interior diagonals one by one), and one sum
-    over the rows finishes it. No per-element atomics, and no two programs ever add into the
-    same address.
+    row of a partial buffer, and one sum over the rows finishes it. No per-element atomics, and
+    no two programs ever add into the same address. The two clamped edge buckets take one masked
+    sum of the tile each; the interior diagonals (|j − i| < R) a tile crosses are read out of
+    the ``dS`` tile skewed (``tl.gather``: row r, column c holds diagonal d0 + c), so that one
+    column sum per diagonal gives them all, ``dq_diag_chunk`` diagonals per read. Masking the
+    tile once per diagonal instead made the dQ kernel at R = 32 do 63 full-tile reductions on
+    every tile crossing the band.
 
-Relative bias off the band. The bias of a pair depends on ``clamp(j − i, −R, R)``: every pair of
-a tile lying wholly left of the band (``j − i < −R`` for all of it, the bulk of a long causal
-sequence) takes the same bucket 0. Such tiles add one scalar to the scores instead of gathering
-a bias per element, and the dQ kernel sums their ``dS`` in a register and adds it to bucket 0
-once per program. Only tiles crossing the band gather, and reduce their diagonals one by one.
-Gathering on every tile made the kernels about 6× slower at R = 32 than without a bias.
+Relative bias. The bias of a pair depends on ``clamp(j − i, −R, R)``: every pair of a tile lying
+wholly left of the band (``j − i < −R`` for all of it, the bulk of a long causal sequence) takes
+the same bucket 0. Such tiles add one scalar to the scores, and the dQ kernel sums their ``dS``
+in a register and adds it to bucket 0 once per program. A tile crossing the band loads its bias
+as a plain tile from ``relative_bias_tiles`` (``bias_tiles.py``: the bias of every tile offset
+that is not constant, laid out per kernel geometry), one coalesced load like a key tile's,
+instead of computing and gathering a bucket per score.
 
 Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
 ``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
@@ -52,13 +56,17 @@ the longest sequence would otherwise be the tail of the launch (``dkdv_splits``)
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
+
+from .bias_tiles import load_bias_tile, relative_bias_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -81,9 +89,11 @@ class JaggedAttentionConfig:
     dq_stages: int
     split_rows: int  # a key tile seeing more query rows than this is split ...
     max_splits: int  # ... into at most this many chunks
+    dq_diag_chunk: int = 64  # interior bias diagonals the dQ kernel reduces per skewed read
 
 
-_INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3)
+# Small chunks of bias diagonals too, so that small tests cross chunk edges.
+_INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8)
 
 # bf16 / fp16 (2-byte elements).
 _GPU_CONFIGS = {
@@ -178,14 +188,6 @@ def _far_left_stop(q_start, radius, full_stop, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(q_start - radius, 0) // BLOCK_N * BLOCK_N, full_stop)
 
 
-@jit
-def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
-    """``bias[clamp(j − i, −R, R) + R]`` for a [M, Nk] tile, as float32."""
-    rel_MN = cols_N[None, :] - rows_M[:, None]
-    index_MN = tl.minimum(tl.maximum(rel_MN, -radius), radius) + radius
-    return tl.load(bias_head_R2 + index_MN).to(tl.float32)
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -193,11 +195,11 @@ def _relative_bias(bias_head_R2, rows_M, cols_N, radius):
 
 @jit
 def _fwd_key_blocks(
-    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2,
-    rows_M, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo, bias_offsets,
+    q_start, rows_M, k_len, diag, start, stop, qk_scale_log2, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Stream key blocks ``[start, stop)`` past the query tile (online softmax update); with
     ``FAR_BIAS`` the blocks lie left of the bias band and add ``far_bias_log2`` to every score."""
@@ -218,7 +220,10 @@ def _fwd_key_blocks(
             if FAR_BIAS:
                 s_MN += far_bias_log2
             else:
-                s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
+                s_MN += load_bias_tile(
+                    bias_head, block_start - q_start, bias_o_lo, bias_offsets,
+                    BLOCK_M, BLOCK_N, BIAS_STEP,
+                )  # fmt: skip
         if MASKED:
             visible_MN = in_seq_N[None, :]
             if CAUSAL:
@@ -242,12 +247,12 @@ def _fwd_key_blocks(
 
 @jit
 def _jfa_fwd_kernel(
-    q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq, bias_NR2,
+    q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq, bias_tiles_NOMN,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
-    num_heads, total_q, qk_scale_log2, radius,
+    num_heads, total_q, qk_scale_log2, radius, bias_o_lo, bias_offsets,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // num_heads
@@ -269,7 +274,7 @@ def _jfa_fwd_kernel(
     q_MH = tl.load(q_TqNH + q_offsets_MH + dims_H[None, :], mask=row_ok_M[:, None], other=0.0)
     k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
-    bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
+    bias_head = bias_tiles_NOMN + head.to(tl.int64) * bias_offsets * (BLOCK_M * BLOCK_N)
 
     m_M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_M = tl.zeros([BLOCK_M], tl.float32)
@@ -285,21 +290,24 @@ def _jfa_fwd_kernel(
     far_bias_log2 = 0.0
     if HAS_BIAS:
         far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
-        far_bias_log2 = tl.load(bias_head_R2).to(tl.float32) * 1.4426950408889634
+        far_bias_log2 = tl.load(bias_head)  # entry 0 of the tiles is all bucket 0
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2, rows_M, k_len, diag,
-        0, far_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, True, False, DOT_PRECISION, NUM_STAGES,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
+        bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2, stride_t,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False, BIAS_STEP, DOT_PRECISION,
+        NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2, rows_M, k_len, diag,
-        far_stop, full_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, False, False, DOT_PRECISION, NUM_STAGES,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
+        bias_offsets, q_start, rows_M, k_len, diag, far_stop, full_stop, qk_scale_log2, stride_t,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DOT_PRECISION,
+        NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head_R2, far_bias_log2, rows_M, k_len, diag,
-        full_stop, k_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_N, CAUSAL, HAS_BIAS, False, True, DOT_PRECISION, NUM_STAGES,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
+        bias_offsets, q_start, rows_M, k_len, diag, full_stop, k_stop, qk_scale_log2, stride_t,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DOT_PRECISION,
+        NUM_STAGES,
     )  # fmt: skip
 
     # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
@@ -322,11 +330,11 @@ def _jfa_fwd_kernel(
 
 @jit
 def _dkdv_query_blocks(
-    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-    far_bias_log2, cols_N, q_len, diag, start, stop, qk_scale_log2, radius, stride_t,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head, far_bias_log2,
+    bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, start, stop, qk_scale_log2, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Stream query blocks ``[start, stop)`` past the key tile, accumulating dK (unscaled), dV;
     with ``FAR_BIAS`` the blocks lie below the bias band (bucket 0 for every pair)."""
@@ -345,10 +353,10 @@ def _dkdv_query_blocks(
             if FAR_BIAS:
                 s_NM += far_bias_log2
             else:
-                s_NM += (
-                    tl.trans(_relative_bias(bias_head_R2, rows_M, cols_N, radius))
-                    * 1.4426950408889634
-                )
+                s_NM += load_bias_tile(
+                    bias_head, k_start - block_start, bias_o_lo, bias_offsets,
+                    BLOCK_N, BLOCK_M, BIAS_STEP,
+                )  # fmt: skip
         p_NM = tl.math.exp2(s_NM - lse_M[None, :])
         if MASKED:
             if CAUSAL:
@@ -362,13 +370,13 @@ def _dkdv_query_blocks(
 
 @jit
 def _jfa_dkdv_kernel(
-    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2,
+    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NONM,
     dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
-    num_heads, total_q, scale, qk_scale_log2, radius,
+    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // num_heads
@@ -396,7 +404,7 @@ def _jfa_dkdv_kernel(
     do_head = do_TqNH + q_begin * stride_t + head * HEAD_DIM
     lse_head = lse_NTq + head * total_q + q_begin
     delta_head = delta_NTq + head * total_q + q_begin
-    bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
+    bias_head = bias_tiles_NONM + head.to(tl.int64) * bias_offsets * (BLOCK_N * BLOCK_M)
 
     dk_NH = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv_NH = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -415,21 +423,24 @@ def _jfa_dkdv_kernel(
         first_far = k_start + BLOCK_N + radius  # rows i ≥ this have j − i < −R for every key
         far_start = q_lo + tl.maximum(first_far - q_lo + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
         far_start = tl.minimum(tl.maximum(far_start, mask_stop), q_hi)
-        far_bias_log2 = tl.load(bias_head_R2).to(tl.float32) * 1.4426950408889634
+        far_bias_log2 = tl.load(bias_head)  # entry 0 of the tiles is all bucket 0
     dk_NH, dv_NH = _dkdv_query_blocks(
-        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-        far_bias_log2, cols_N, q_len, diag, q_lo, mask_stop, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, False, True, DOT_PRECISION, NUM_STAGES,
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
+        far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo, mask_stop,
+        qk_scale_log2, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True,
+        BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
-        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-        far_bias_log2, cols_N, q_len, diag, mask_stop, far_start, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, False, False, DOT_PRECISION, NUM_STAGES,
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
+        far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, mask_stop, far_start,
+        qk_scale_log2, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False,
+        BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
-        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head_R2,
-        far_bias_log2, cols_N, q_len, diag, far_start, q_hi, qk_scale_log2, radius, stride_t,
-        HEAD_DIM, BLOCK_M, CAUSAL, HAS_BIAS, True, False, DOT_PRECISION, NUM_STAGES,
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
+        far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, far_start, q_hi,
+        qk_scale_log2, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
+        BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH = dk_NH * scale
     if splits > 1:
@@ -476,11 +487,13 @@ def _jfa_dkdv_finish_kernel(
 
 @jit
 def _dq_key_blocks(
-    dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2, far_bias_log2,
-    dbias_row_R2, rows_M, q_start, k_len, diag, start, stop, qk_scale_log2, radius, stride_t,
+    dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head, far_bias_log2,
+    bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag, start, stop,
+    qk_scale_log2, radius, stride_t,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    MASKED: tl.constexpr, BIAS_STEP: tl.constexpr, DIAG_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Stream key blocks ``[start, stop)``: dQ (unscaled) and the bias gradient by diagonal.
     With ``FAR_BIAS`` the blocks lie left of the bias band: their ``dS`` sums into
@@ -501,7 +514,10 @@ def _dq_key_blocks(
             if FAR_BIAS:
                 s_MN += far_bias_log2
             else:
-                s_MN += _relative_bias(bias_head_R2, rows_M, cols_N, radius) * 1.4426950408889634
+                s_MN += load_bias_tile(
+                    bias_head, block_start - q_start, bias_o_lo, bias_offsets,
+                    BLOCK_M, BLOCK_N, BIAS_STEP,
+                )  # fmt: skip
         p_MN = tl.math.exp2(s_MN - lse_M[:, None])
         if MASKED:
             visible_MN = in_seq_N[None, :]
@@ -515,10 +531,12 @@ def _dq_key_blocks(
             if FAR_BIAS:
                 far_dbias += tl.sum(tl.sum(ds_MN, 1), 0)
             else:
-                # Reduce dS by diagonal d = j - i into the clamped buckets, in this program's own
+                # Reduce dS by diagonal d = j − i into the clamped buckets, in this program's own
                 # row of the partial buffer: the two edge buckets take masked sums of the whole
-                # tile, and each interior diagonal the tile crosses (none when the tile lies
-                # outside the band |d| < R) takes one masked sum. One scalar atomic per bucket.
+                # tile; the interior diagonals (|d| < R) the tile crosses are read out skewed,
+                # DIAG_CHUNK at a time: column c of ``ds_MK`` is diagonal d0 + c of the tile, one
+                # row per query, so a column sum is that diagonal's sum.
+                offset = block_start - q_start  # d = offset + (key col − query row) in the tile
                 rel_MN = cols_N[None, :] - rows_M[:, None]
                 tl.atomic_add(
                     dbias_row_R2,
@@ -530,23 +548,32 @@ def _dq_key_blocks(
                     tl.sum(tl.sum(tl.where(rel_MN >= tl.maximum(radius, 1), ds_MN, 0.0), 1), 0),
                     sem="relaxed",
                 )
-                d_min = tl.maximum(block_start - q_start - (BLOCK_M - 1), 1 - radius)
-                d_max = tl.minimum(block_start - q_start + BLOCK_N - 1, radius - 1)
-                for d in range(d_min, d_max + 1):
-                    diag_sum = tl.sum(tl.sum(tl.where(rel_MN == d, ds_MN, 0.0), 1), 0)
-                    tl.atomic_add(dbias_row_R2 + d + radius, diag_sum, sem="relaxed")
+                d_min = tl.maximum(offset - (BLOCK_M - 1), 1 - radius)
+                d_max = tl.minimum(offset + BLOCK_N - 1, radius - 1)
+                tile_rows_M = tl.arange(0, BLOCK_M)
+                for d0 in range(d_min, d_max + 1, DIAG_CHUNK):
+                    diag_K = d0 + tl.arange(0, DIAG_CHUNK)
+                    col_MK = diag_K[None, :] - offset + tile_rows_M[:, None]
+                    take_MK = (col_MK >= 0) & (col_MK < BLOCK_N) & (diag_K[None, :] <= d_max)
+                    ds_MK = tl.gather(ds_MN, tl.where(take_MK, col_MK, 0), axis=1)
+                    tl.atomic_add(
+                        dbias_row_R2 + radius + diag_K,
+                        tl.sum(tl.where(take_MK, ds_MK, 0.0), 0),
+                        mask=diag_K <= d_max,
+                        sem="relaxed",
+                    )
     return dq_MH, far_dbias
 
 
 @jit
 def _jfa_dq_kernel(
-    q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_NR2, dq_TqNH,
+    q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NOMN, dq_TqNH,
     dbias_part_PR2,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
-    num_heads, total_q, scale, qk_scale_log2, radius,
+    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
+    DIAG_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // num_heads
@@ -577,7 +604,7 @@ def _jfa_dq_kernel(
     tl.store(delta_NTq + head * total_q + q_begin + rows_M, delta_M, mask=row_ok_M)
     k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
-    bias_head_R2 = bias_NR2 + head * (2 * radius + 1)
+    bias_head = bias_tiles_NOMN + head.to(tl.int64) * bias_offsets * (BLOCK_M * BLOCK_N)
     dbias_row_R2 = dbias_part_PR2 + pid.to(tl.int64) * (2 * radius + 1)
 
     dq_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -590,25 +617,25 @@ def _jfa_dq_kernel(
     far_bias_log2 = 0.0
     if HAS_BIAS:
         far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
-        far_bias_log2 = tl.load(bias_head_R2).to(tl.float32) * 1.4426950408889634
+        far_bias_log2 = tl.load(bias_head)  # entry 0 of the tiles is all bucket 0
     far_dbias = tl.sum(tl.zeros([1], tl.float32), 0)
     dq_MH, far_dbias = _dq_key_blocks(
-        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
-        far_bias_log2, dbias_row_R2, rows_M, q_start, k_len, diag, 0, far_stop, qk_scale_log2,
-        radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
-        DOT_PRECISION, NUM_STAGES,
+        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
+        far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
+        0, far_stop, qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+        HAS_BIAS, True, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dq_MH, far_dbias = _dq_key_blocks(
-        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
-        far_bias_log2, dbias_row_R2, rows_M, q_start, k_len, diag, far_stop, full_stop,
-        qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False,
-        False, DOT_PRECISION, NUM_STAGES,
+        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
+        far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
+        far_stop, full_stop, qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N,
+        CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dq_MH, far_dbias = _dq_key_blocks(
-        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head_R2,
-        far_bias_log2, dbias_row_R2, rows_M, q_start, k_len, diag, full_stop, k_stop,
-        qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False,
-        True, DOT_PRECISION, NUM_STAGES,
+        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
+        far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
+        full_stop, k_stop, qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N,
+        CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     if HAS_BIAS:
         tl.atomic_add(dbias_row_R2, far_dbias, sem="relaxed")
@@ -630,6 +657,18 @@ def _radius(rel_bias):
     return 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
 
 
+def _bias_tile_args(rel_bias, fallback, *, rows, cols, keys_on_rows):
+    """The kernels' bias arguments: ``(tiles, o_lo, num_offsets, step)`` (``fallback`` as a
+    never-read pointer without a bias)."""
+    step = math.gcd(rows, cols)
+    if rel_bias is None:
+        return fallback, 0, 1, step
+    tiles, o_lo, num_offsets = relative_bias_tiles(
+        rel_bias, rows=rows, cols=cols, keys_on_rows=keys_on_rows
+    )
+    return tiles, o_lo, num_offsets, step
+
+
 def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False):
     """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
 
@@ -648,13 +687,16 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
         q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal,
         cache=cache_work,
     )  # fmt: skip
-    bias = rel_bias.contiguous() if rel_bias is not None else q
+    tiles, o_lo, num_offsets, step = _bias_tile_args(
+        rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
+    )
     _jfa_fwd_kernel[(work.num_slots * num_heads,)](
-        q, k, v, out, lse, bias, q_offsets, kv_offsets,
+        q, k, v, out, lse, tiles, q_offsets, kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
-        num_heads, total_q, scale * LOG2E, _radius(rel_bias),
+        num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
         HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
-        CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+        DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return out, lse, work.packed_5W
@@ -706,14 +748,18 @@ def backward_dkdv(
         dk_scratch, dv_scratch = scratch[0], scratch[1]
     else:
         dk_scratch = dv_scratch = dk
+    tiles, o_lo, num_offsets, step = _bias_tile_args(
+        rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
+    )
     grid = (kwork.num_slots * num_heads,)
     _jfa_dkdv_kernel[grid](
-        q, k, v, dout, lse, delta, rel_bias if rel_bias is not None else q,
+        q, k, v, dout, lse, delta, tiles,
         dk, dv, dk_scratch, dv_scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
-        num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias),
+        num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
         HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-        CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+        DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     if max_splits > 1:
@@ -750,12 +796,17 @@ def backward_dq(
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
     else:
         dbias_part = lse
+    tiles, o_lo, num_offsets, step = _bias_tile_args(
+        rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
+    )
     _jfa_dq_kernel[(num_programs,)](
-        q, k, v, out, dout, lse, delta, rel_bias if rel_bias is not None else q, dq, dbias_part,
+        q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
         q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
-        num_heads, total_q, scale, scale * LOG2E, radius,
+        num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets,
         HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        CAUSAL=causal, HAS_BIAS=rel_bias is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+        DIAG_CHUNK=min(cfg.dq_diag_chunk, triton.next_power_of_2(cfg.dq_block_m + cfg.dq_block_n)),
+        DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     dbias = None
