@@ -60,7 +60,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from gem_jagged._jit import jit
@@ -89,7 +88,9 @@ class JaggedAttentionConfig:
     dq_stages: int
     split_rows: int  # a key tile seeing more query rows than this is split ...
     max_splits: int  # ... into at most this many chunks
-    dq_diag_chunk: int = 64  # interior bias diagonals the dQ kernel reduces per skewed read
+    # Interior bias diagonals the dQ kernel reduces per skewed read of a dS tile, at most
+    # dq_block_n (a gather index wider than its source along the axis can fail to compile).
+    dq_diag_chunk: int = 64
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
@@ -805,7 +806,7 @@ def backward_dq(
         num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets,
         HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-        DIAG_CHUNK=min(cfg.dq_diag_chunk, triton.next_power_of_2(cfg.dq_block_m + cfg.dq_block_n)),
+        DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
         DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
