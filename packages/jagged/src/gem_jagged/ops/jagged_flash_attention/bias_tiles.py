@@ -13,10 +13,11 @@ handful of offsets give a tile that is not constant:
 
 So ``relative_bias_tiles`` writes, per head, the tile of each offset from ``o_lo`` (the last
 all-bucket-0 one, rounded down to ``step``) to ``o_hi`` (the first all-bucket-2R one, rounded
-up), already multiplied by ``log2 e`` for the kernels' exp2 domain: ``[N, num_offsets, rows,
-cols]`` float32, a few hundred KB that stay in L2. A kernel clamps a tile's offset into
+up): ``[N, num_offsets, rows, cols]`` in the inputs' dtype (the reference adds the bias in that
+dtype too; bf16 halves the registers a tile takes), a few hundred KB that stay in L2. A kernel clamps a tile's offset into
 ``[o_lo, o_hi]`` (exact: the clamped tiles are constant) and loads its tile with one coalesced
-load (``load_bias_tile``), like a key tile. Entry 0 is all bucket 0: the kernels' scalar for
+load (``load_bias_tile``, which returns it in float32 log2 units for the kernels' exp2 domain),
+like a key tile. Entry 0 is all bucket 0: the kernels' scalar for
 tiles left of the band is its first element.
 
 Two layouts: ``keys_on_rows=False`` (query rows × key columns: the forward and dQ kernels'
@@ -29,8 +30,6 @@ import torch
 import triton.language as tl
 
 from gem_jagged._jit import jit
-
-LOG2E = 1.4426950408889634
 
 
 def _floor_to(value: int, step: int) -> int:
@@ -67,13 +66,12 @@ def _bucket_index(radius, rows, cols, keys_on_rows, device) -> tuple[torch.Tenso
 
 
 def relative_bias_tiles(
-    rel_bias_NR2: torch.Tensor, *, rows: int, cols: int, keys_on_rows: bool
+    rel_bias_NR2: torch.Tensor, *, rows: int, cols: int, keys_on_rows: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, int, int]:
-    """``(tiles [N, num_offsets, rows, cols] float32 in log2 units, o_lo, num_offsets)``."""
+    """``(tiles [N, num_offsets, rows, cols] in dtype, o_lo, num_offsets)``."""
     radius = (rel_bias_NR2.shape[1] - 1) // 2
     bucket, o_lo = _bucket_index(radius, rows, cols, keys_on_rows, rel_bias_NR2.device)
-    tiles = (rel_bias_NR2.float() * LOG2E)[:, bucket]
-    return tiles, o_lo, bucket.shape[0]
+    return rel_bias_NR2.to(dtype)[:, bucket], o_lo, bucket.shape[0]
 
 
 @jit
@@ -81,9 +79,10 @@ def load_bias_tile(
     tiles_head, offset, o_lo, num_offsets,
     ROWS: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
-    """The ``[ROWS, COLS]`` bias tile (log2 units) of a tile whose first key minus first query
-    is ``offset`` (a multiple of ``STEP``); ``tiles_head`` points at one head's tiles."""
+    """The ``[ROWS, COLS]`` bias tile (float32, log2 units) of a tile whose first key minus first
+    query is ``offset`` (a multiple of ``STEP``); ``tiles_head`` points at one head's tiles."""
     o_hi = o_lo + (num_offsets - 1) * STEP
     entry = (tl.minimum(tl.maximum(offset, o_lo), o_hi) - o_lo) // STEP
     tile_RC = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    return tl.load(tiles_head + entry.to(tl.int64) * (ROWS * COLS) + tile_RC)
+    tile_RC = tl.load(tiles_head + entry.to(tl.int64) * (ROWS * COLS) + tile_RC)
+    return tile_RC.to(tl.float32) * 1.4426950408889634

@@ -291,7 +291,7 @@ def _jfa_fwd_kernel(
     far_bias_log2 = 0.0
     if HAS_BIAS:
         far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
-        far_bias_log2 = tl.load(bias_head)  # entry 0 of the tiles is all bucket 0
+        far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
     acc_MH, l_M, m_M = _fwd_key_blocks(
         acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
         bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2, stride_t,
@@ -424,7 +424,7 @@ def _jfa_dkdv_kernel(
         first_far = k_start + BLOCK_N + radius  # rows i ≥ this have j − i < −R for every key
         far_start = q_lo + tl.maximum(first_far - q_lo + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
         far_start = tl.minimum(tl.maximum(far_start, mask_stop), q_hi)
-        far_bias_log2 = tl.load(bias_head)  # entry 0 of the tiles is all bucket 0
+        far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo, mask_stop,
@@ -618,7 +618,7 @@ def _jfa_dq_kernel(
     far_bias_log2 = 0.0
     if HAS_BIAS:
         far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
-        far_bias_log2 = tl.load(bias_head)  # entry 0 of the tiles is all bucket 0
+        far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
     far_dbias = tl.sum(tl.zeros([1], tl.float32), 0)
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
@@ -658,14 +658,14 @@ def _radius(rel_bias):
     return 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
 
 
-def _bias_tile_args(rel_bias, fallback, *, rows, cols, keys_on_rows):
-    """The kernels' bias arguments: ``(tiles, o_lo, num_offsets, step)`` (``fallback`` as a
-    never-read pointer without a bias)."""
+def _bias_tile_args(rel_bias, q, *, rows, cols, keys_on_rows):
+    """The kernels' bias arguments: ``(tiles, o_lo, num_offsets, step)``; the tiles are in
+    ``q``'s dtype, and without a bias ``q`` stands in as a pointer never read."""
     step = math.gcd(rows, cols)
     if rel_bias is None:
-        return fallback, 0, 1, step
+        return q, 0, 1, step
     tiles, o_lo, num_offsets = relative_bias_tiles(
-        rel_bias, rows=rows, cols=cols, keys_on_rows=keys_on_rows
+        rel_bias, rows=rows, cols=cols, keys_on_rows=keys_on_rows, dtype=q.dtype
     )
     return tiles, o_lo, num_offsets, step
 
