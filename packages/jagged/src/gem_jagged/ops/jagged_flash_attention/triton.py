@@ -767,7 +767,7 @@ def backward_dkdv(
         _jfa_dkdv_finish_kernel[grid](
             dk, dv, dk_scratch, dv_scratch, kv_offsets,
             kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
-            HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n,
+            HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
         )  # fmt: skip
     return dk, dv
 
