@@ -182,16 +182,21 @@ def _load_sequence(offsets_Bp1, seq):
 
 
 @jit
-def _far_left_stop(q_start, radius, full_stop, BLOCK_N: tl.constexpr):
-    """End of the key blocks ``[0, stop)`` whose every pair with query rows ``q_start…`` has
-    ``j − i < −R`` (bias bucket 0): ``block_end ≤ q_start − R``, aligned down, within
-    ``full_stop``."""
-    return tl.minimum(tl.maximum(q_start - radius, 0) // BLOCK_N * BLOCK_N, full_stop)
-
-
-# ----------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------
+def _key_block_stops(
+    q_start, k_len, diag, k_stop, radius,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``(far_stop, full_stop)`` for a query tile starting at row ``q_start``: key blocks
+    ``[0, full_stop)`` are seen whole by every row of the tile (no mask), and of those
+    ``[0, far_stop)`` lie left of the bias band (``j − i < −R`` for every pair: bucket 0)."""
+    full_stop = k_len
+    if CAUSAL:
+        full_stop = tl.minimum(full_stop, q_start + 1 + diag)
+    full_stop = tl.minimum(tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N, k_stop)
+    far_stop = 0
+    if HAS_BIAS:
+        far_stop = tl.minimum(tl.maximum(q_start - radius, 0) // BLOCK_N * BLOCK_N, full_stop)
+    return far_stop, full_stop
 
 
 @jit
@@ -280,17 +285,13 @@ def _jfa_fwd_kernel(
     m_M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_M = tl.zeros([BLOCK_M], tl.float32)
     acc_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Key blocks that every row of the tile sees completely need no mask.
-    full_stop = k_len
-    if CAUSAL:
-        full_stop = tl.minimum(full_stop, q_start + 1 + diag)
-    full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
-    full_stop = tl.minimum(full_stop, k_stop)
-    # Of those, blocks left of the bias band add one scalar instead of gathering a bias each.
-    far_stop = 0
+    # Blocks left of the bias band add one scalar; the rest load a bias tile; only blocks
+    # crossing the diagonal or the sequence's end are masked.
+    far_stop, full_stop = _key_block_stops(
+        q_start, k_len, diag, k_stop, radius, CAUSAL, HAS_BIAS, BLOCK_N
+    )
     far_bias_log2 = 0.0
     if HAS_BIAS:
-        far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
         far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
     acc_MH, l_M, m_M = _fwd_key_blocks(
         acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
@@ -609,15 +610,11 @@ def _jfa_dq_kernel(
     dbias_row_R2 = dbias_part_PR2 + pid.to(tl.int64) * (2 * radius + 1)
 
     dq_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_stop = k_len
-    if CAUSAL:
-        full_stop = tl.minimum(full_stop, q_start + 1 + diag)
-    full_stop = tl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N
-    full_stop = tl.minimum(full_stop, k_stop)
-    far_stop = 0
+    far_stop, full_stop = _key_block_stops(
+        q_start, k_len, diag, k_stop, radius, CAUSAL, HAS_BIAS, BLOCK_N
+    )
     far_bias_log2 = 0.0
     if HAS_BIAS:
-        far_stop = _far_left_stop(q_start, radius, full_stop, BLOCK_N)
         far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
     far_dbias = tl.sum(tl.zeros([1], tl.float32), 0)
     dq_MH, far_dbias = _dq_key_blocks(
