@@ -187,7 +187,7 @@ def run(
     if device == "cuda":
         run_host_cost(dtype, only)
     if sweep and device == "cuda":
-        run_sweep(dtype, only)
+        run_sweep(dtype, only, rel_bias_radius)
 
 
 def _step(fn, q, k, v, do, backward):
@@ -275,8 +275,9 @@ def _sweep_bench(fn) -> float:
     return common.bench_ms(fn, warmup_ms=10, rep_ms=50)
 
 
-def run_sweep(dtype, only=()) -> None:
-    """Device time (graph replay) of kernel configurations of the project (J1, J2, J3)."""
+def run_sweep(dtype, only=(), rel_bias_radius=None) -> None:
+    """Device time (graph replay) of kernel configurations of the project (J1, J2, J3), with a
+    relative bias of radius ``rel_bias_radius`` when given (as the main table)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 
     rows = []
@@ -286,7 +287,7 @@ def run_sweep(dtype, only=()) -> None:
             common.attention_flops(w.pairs(), heads=HEADS, head_dim=HEAD_DIM, backward=b)
             for b in (False, True)
         )
-        fn = project_fn(w, q, k, v, "cuda")
+        fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius)
         short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
         table = jfa_triton._GPU_CONFIGS_SHORT_KEYS if short else jfa_triton._GPU_CONFIGS
         base = table[HEAD_DIM]
@@ -307,7 +308,9 @@ def run_sweep(dtype, only=()) -> None:
         table[HEAD_DIM] = base
         print_kernel_profile(w.name, fn, q, k, v, do)
     common.print_table(
-        "kernel config sweep (device time: CUDA-graph replays of the public function)",
+        "kernel config sweep (device time: CUDA-graph replays of the public function"
+        + ("" if rel_bias_radius is None else f", rel_bias R={rel_bias_radius}")
+        + ")",
         ["workload", "config", "fwd ms", "fwd TFLOP/s", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
         rows,
     )
