@@ -345,6 +345,11 @@ GPU_CASES = [
     ([1, 127, 128, 129, 700, 0, 3000], None, False, 16, 64),
     ([300, 5, 0, 1000], [64, 64, 64, 64], False, None, 128),
     ([300, 5, 17, 1000], [200, 9, 0, 1500], True, 8, 32),
+    # gem-small's bias on long histories: tiles left of the band, crossing it, and a diagonal
+    # tile with more interior bias diagonals (79) than one skewed read of dS takes (64)
+    ([1, 127, 128, 129, 700, 0, 3000], None, True, 40, 128),
+    # not causal, Lq != Lk: tiles wholly right of the band (bucket 2R) too
+    ([300, 5, 17, 1000], [200, 9, 0, 1500], False, 40, 64),
 ]
 
 
