@@ -130,6 +130,21 @@ def test_relative_bias_off_the_band(lq, lk, causal, radius):
     _check_against_fp64(lq, lk, causal=causal, radius=radius, seed=11, dtype=torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("lq", "lk", "causal"),
+    [([300, 129, 1, 0, 450], None, True), ([200, 9, 0, 330], [130, 200, 3, 70], False)],
+)
+def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal):
+    """The bf16 GPU tiles (128 × 64 queries × keys, 64 × 128 for dK/dV, 64 bias diagonals per
+    skewed read) on the CPU, with R = 40: bias tiles of step 64, far, band and right-of-band tiles
+    and two skewed reads on the diagonal tile, as the GPU runs them."""
+    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+
+    gpu_config = jfa_triton._GPU_CONFIGS[32]
+    monkeypatch.setattr(jfa_triton, "config_for", lambda *args, **kwargs: gpu_config)
+    _check_against_fp64(lq, lk or lq, causal=causal, radius=40, seed=5, dtype=torch.float32)
+
+
 def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():
     """One long sequence (its key tiles are split across programs) with int32 offsets; a
     max_q_len hint shorter than the real length changes the launch, never the result."""

@@ -556,7 +556,7 @@ def _dq_key_blocks(
                 for d0 in range(d_min, d_max + 1, DIAG_CHUNK):
                     diag_K = d0 + tl.arange(0, DIAG_CHUNK)
                     col_MK = diag_K[None, :] - offset + tile_rows_M[:, None]
-                    take_MK = (col_MK >= 0) & (col_MK < BLOCK_N) & (diag_K[None, :] <= d_max)
+                    take_MK = (col_MK >= 0) & (col_MK < BLOCK_N)  # diagonals past d_max: not stored
                     ds_MK = tl.gather(ds_MN, tl.where(take_MK, col_MK, 0), axis=1)
                     tl.atomic_add(
                         dbias_row_R2 + radius + diag_K,
