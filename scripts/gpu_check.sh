@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh                          # gpu tests + every benchmarks/*/*.py
 #   scripts/gpu_check.sh "benchmarks/jagged/bench_gdpa.py --quick" benchmarks/lowprec/*.py
 #
-# Each argument is a benchmark script (a glob is fine) followed by its own arguments.
+# Each argument is a benchmark script (a glob is fine) followed by its own arguments, quoted
+# inside as on a command line: "benchmarks/gem_train/bench_gem_small.py --only 'all on'".
 # Environment: GEMKIT_SKIP_TESTS=1 skips the tests; GEMKIT_TEST_PATHS (default: tests);
 # GEMKIT_TEST_TIMEOUT / GEMKIT_BENCH_TIMEOUT bound each step in seconds; GEMKIT_LOG_DIR keeps
 # gpu_check.log (everything printed) and results.jsonl (the summary rows); PYTHON (default:
@@ -86,12 +87,15 @@ fi
 specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(benchmarks/*/*.py)
 for spec in "${specs[@]}"; do
-  read -r -a words <<< "$spec"
-  for script in ${words[0]}; do
+  # The first word is the script (a glob is fine); the rest are its arguments, quoted as on a
+  # command line (--only "all on" "AutoAC → none").
+  read -r first rest <<< "$spec"
+  eval "args=($rest)"
+  for script in $first; do
     [ -f "$script" ] || continue
     case "$(basename "$script")" in common.py|_*|*_bench.py) continue ;; esac
-    echo; echo "=== $script ${words[*]:1}" | tee -a "$log"
-    bounded "${GEMKIT_BENCH_TIMEOUT:-}" "$python" "$script" "${words[@]:1}" 2>&1 | tee -a "$log"
+    echo; echo "=== $script $rest" | tee -a "$log"
+    bounded "${GEMKIT_BENCH_TIMEOUT:-}" "$python" "$script" "${args[@]}" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ]; then
       status=1

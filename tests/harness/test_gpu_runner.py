@@ -33,3 +33,18 @@ def test_two_streams_each_run_their_share_and_one_summary_gathers_them(tmp_path)
     assert names.count("gpu tests") == 2
     assert "loadbalance_b1" in names and "launch_overhead" in names
     assert "## summary" in done.stdout and "launch_overhead" in done.stdout.split("## summary")[1]
+
+
+def test_a_benchmark_argument_with_spaces_arrives_whole(tmp_path):
+    script = tmp_path / "print_args.py"
+    script.write_text("import json, sys\nprint('ARGS', json.dumps(sys.argv[1:]))\n")
+    env = dict(
+        os.environ, PYTHON=sys.executable, GEMKIT_SKIP_TESTS="1", GEMKIT_LOG_DIR=str(tmp_path)
+    )
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts/gpu_check.sh"), f"{script} --only 'all on' 'AutoAC → none' -n 2"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    printed = next(line for line in done.stdout.splitlines() if line.startswith("ARGS "))
+    assert json.loads(printed[5:]) == ["--only", "all on", "AutoAC → none", "-n", "2"]
