@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .fused_optimizer import RowwiseAdagrad
 from .kjt import FeatureIds, JaggedEmbeddings, KeyedJagged, PooledEmbeddings, split_features
 from .native import ShardedEmbeddingTables, ShardingConfig
 from .tables import EmbeddingTables, TableConfig
@@ -39,6 +40,7 @@ __all__ = [
     "JaggedEmbeddings",
     "KeyedJagged",
     "PooledEmbeddings",
+    "RowwiseAdagrad",
     "ShardedEmbeddingTables",
     "ShardingConfig",
     "TableConfig",
@@ -119,6 +121,11 @@ def shard_embeddings(
             model_parallel_group=mp,
             fully_sharded=config.fully_sharded,
             device=torch.device(device),
+        )
+    if isinstance(module, EmbeddingTables) and module.fused_optimizer is not None:
+        raise ValueError(
+            "module: tables with a fused_optimizer train on one process; the sharded native "
+            "back end keeps dense gradients (build the tables without fused_optimizer to shard)"
         )
     if not isinstance(module, EmbeddingTables):
         if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs"):

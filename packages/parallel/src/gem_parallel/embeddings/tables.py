@@ -5,6 +5,10 @@ table serves one or more feature keys (shared tables, as in torchrec). ``pooling
 output: ``"sum"`` or ``"mean"`` give ``PooledEmbeddings`` (an EmbeddingBagCollection), ``"none"``
 gives a dict of ``JaggedEmbeddings`` (an EmbeddingCollection). The sharded module of
 ``native.py`` computes exactly this function, spread over ranks.
+
+With ``fused_optimizer=RowwiseAdagrad(...)`` the tables train themselves: each lookup's backward
+updates the rows it touched (``fused_optimizer.py``), the weights' ``.grad`` stays ``None``, and
+the per-row accumulators are buffers (``rowwise_state.<table>``), saved with the module's state.
 """
 
 from dataclasses import dataclass
@@ -13,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_optimizer import RowwiseAdagrad, fused_lookup
 from .kjt import JaggedEmbeddings, PooledEmbeddings, offsets_of, pool, split_features
 
 POOLINGS = ("sum", "mean", "none")
@@ -95,9 +100,15 @@ class EmbeddingTables(nn.Module):
         dtype: torch.dtype = torch.float32,
         generator: torch.Generator | None = None,
         validate_ids: bool = True,
+        fused_optimizer: RowwiseAdagrad | None = None,
     ):
         super().__init__()
         check_tables(tables, pooling)
+        if fused_optimizer is not None and not isinstance(fused_optimizer, RowwiseAdagrad):
+            raise TypeError(
+                f"fused_optimizer: expected a RowwiseAdagrad or None, got "
+                f"{type(fused_optimizer).__name__}"
+            )
         self.tables = list(tables)
         self.pooling = pooling
         self.validate_ids = validate_ids  # False when the data reader already checked the ids
@@ -111,6 +122,21 @@ class EmbeddingTables(nn.Module):
                 for t in self.tables
             }
         )
+        self.fused_optimizer = fused_optimizer
+        self.rowwise_state = nn.Module()  # buffers: one float32 accumulator per row and table
+        if fused_optimizer is not None:
+            for t in self.tables:
+                self.rowwise_state.register_buffer(
+                    t.name, torch.zeros(t.num_embeddings, dtype=torch.float32, device=device)
+                )
+
+    def _rows(self, table: TableConfig, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.weights[table.name]
+        ids = ids.to(weight.device)
+        if self.fused_optimizer is None:
+            return F.embedding(ids, weight)
+        state = getattr(self.rowwise_state, table.name)
+        return fused_lookup(ids, weight, state, self.fused_optimizer)
 
     @property
     def feature_names(self) -> list[str]:
@@ -121,14 +147,7 @@ class EmbeddingTables(nn.Module):
         if self.validate_ids:  # one host sync per table: skip it where ids were checked upstream
             for table in self.tables:
                 check_ids(table, torch.cat([parsed[f].ids for f in table.feature_names]))
-        return lookup_output(
-            self.tables,
-            self.pooling,
-            parsed,
-            lambda table, ids: F.embedding(
-                ids.to(self.weights[table.name].device), self.weights[table.name]
-            ),
-        )
+        return lookup_output(self.tables, self.pooling, parsed, self._rows)
 
     @classmethod
     def from_torchrec(cls, module: nn.Module) -> "EmbeddingTables":
