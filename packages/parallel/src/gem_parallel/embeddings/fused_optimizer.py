@@ -21,8 +21,8 @@ and captures in a CUDA graph. The ``n`` looked-up ids are sorted; a position sta
 equal ids opens a segment; ``cumsum`` numbers the segments, so ``U ≤ n`` unique rows land in
 slots ``0…U−1`` of ``n``-row buffers (their gradient sums by ``index_add_``, their ids by
 ``scatter``), and slots ``U…n−1`` stay zero. The state and weight updates are added with
-``index_put_(accumulate=True)``: the unused slots point at row 0 and add exactly zero to it, so
-they change nothing whatever order the adds run in. ``rowwise_adagrad_reference`` is the same
+``index_add_``: the unused slots point at row 0 and add exactly zero to it, so they change
+nothing whatever order the adds run in. ``rowwise_adagrad_reference`` is the same
 update written plainly, for tests.
 
 The update runs when the backward reaches the lookup, before the dense optimizer's step (as
@@ -68,9 +68,9 @@ def rowwise_adagrad_update_(
     segment = torch.cumsum(opens, 0) - 1  # [n]: slot of each lookup's row
     sums = torch.zeros_like(grads).index_add_(0, segment, grads)  # [n, D], slots ≥ U zero
     rows = torch.zeros_like(sorted_ids).scatter_(0, segment, sorted_ids)  # slots ≥ U: row 0
-    state.index_put_((rows,), sums.square().mean(1), accumulate=True)
+    state.index_add_(0, rows, sums.square().mean(1))
     step = sums.mul_(-lr).div_(state[rows].sqrt().add_(eps)[:, None])
-    weight.index_put_((rows,), step.to(weight.dtype), accumulate=True)
+    weight.index_add_(0, rows, step.to(weight.dtype))
 
 
 @torch.no_grad()
