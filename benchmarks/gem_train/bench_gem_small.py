@@ -9,8 +9,11 @@ Rows (each variant in its own process, one after another, same data, same steps)
 - ``low precision → BF16``: no gem_lowprec conversion (and no token alignment), BF16 autocast;
 - ``AutoAC → none``: every activation kept;
 - ``shuffling → none``: sub-batches concatenated in order;
+- ``fused embedding optimizer → dense AdamW``: the tables join the dense AdamW (a dense table
+  gradient and a whole-table update each step) instead of updating their touched rows in the
+  lookups' backward (gem_parallel's RowwiseAdagrad);
 - ``PyTorch-native``: the anchor, the same model from PyTorch pieces: padded SDPA, BF16, no
-  checkpointing, no shuffling.
+  checkpointing, no shuffling, AdamW for every parameter.
 
 Each row runs the trainer's own loop (``train_step`` and the ``Reporter``), warms up for
 ``--warmup`` steps and then until a step compiles no Triton kernel variant (at most 12 more: the
@@ -61,9 +64,11 @@ VARIANTS = {
     "low precision → BF16": {"lowprec.recipe": "none", "lowprec.token_multiple": "0"},
     "AutoAC → none": {"memory.autoac": "false"},
     "shuffling → none": {"data.shuffle": "false"},
+    "fused embedding optimizer → dense AdamW": {"optim.embedding_optimizer": "adamw"},
     "PyTorch-native": {
         "model.attention": "padded", "model.pooling_attention": "padded", "lowprec.recipe": "none",
         "lowprec.token_multiple": "0", "memory.autoac": "false", "data.shuffle": "false",
+        "optim.embedding_optimizer": "adamw",
     },
 }  # fmt: skip
 NUMERICS = (

@@ -76,12 +76,19 @@ def test_corrupted_or_partial_checkpoints_are_refused(tmp_path):
         verify(path)
 
 
-def test_stop_and_resume_reproduces_the_losses_exactly(small, tmp_path):
-    straight = train(small(steps=6))["losses"]
+FUSED_EMBEDDING_OPTIMIZER = dict(
+    model__embeddings="native", optim__embedding_optimizer="rowwise_adagrad"
+)
+
+
+@pytest.mark.parametrize("options", [{}, FUSED_EMBEDDING_OPTIMIZER], ids=["adamw", "fused"])
+def test_stop_and_resume_reproduces_the_losses_exactly(small, tmp_path, options):
+    """The fused row-wise Adagrad's per-row state lives in the model's buffers: saved too."""
+    straight = train(small(steps=6, **options))["losses"]
     folder = str(tmp_path / "ckpt")
-    first = train(small(steps=3, checkpoint__folder=folder))
+    first = train(small(steps=3, checkpoint__folder=folder, **options))
     assert [p.name for p in list_checkpoints(folder)] == ["step_00000003"]
-    second = train(small(steps=6, checkpoint__folder=folder))
+    second = train(small(steps=6, checkpoint__folder=folder, **options))
     assert second["steps_this_run"] == 3
     assert first["losses"] + second["losses"] == straight  # bit for bit
 

@@ -1,6 +1,7 @@
 """Named configs, flag overrides and their errors, and the command line's help."""
 
 import pytest
+import torch
 from gem_train import cli
 from gem_train.config import NAMED_CONFIGS, ConfigError, apply_overrides, fields_of, named_config
 
@@ -52,6 +53,11 @@ def test_overrides_convert_by_type():
         ({"data.shuffle": "maybe"}, "data.shuffle must be a boolean"),
         ({"model.widht": "3"}, "unknown field 'model.widht'"),
         ({"data.source": "parquet"}, "data.path must be a Parquet file"),
+        ({"optim.embedding_optimizer": "sgd"}, "optim.embedding_optimizer must be one of"),
+        (
+            {"optim.embedding_optimizer": "rowwise_adagrad", "model.embeddings": "torchrec"},
+            "optim.embedding_optimizer must be adamw with model.embeddings=torchrec",
+        ),
     ],
 )
 def test_bad_values_name_the_field(flags, message):
@@ -84,3 +90,21 @@ def test_bad_flag_exits_with_the_field_named(capsys):
 def test_plan_only_config_refuses_to_train(capsys):
     assert cli.main(["--config", "gem-large"]) == 2
     assert "plan only" in capsys.readouterr().err
+
+
+def test_the_fused_embedding_optimizer_needs_native_tables_on_one_process():
+    from gem_train.components import fuse_embedding_optimizer
+    from gem_train.model import GemModel
+
+    cfg = apply_overrides(
+        named_config("tiny"),
+        {"optim.embedding_optimizer": "rowwise_adagrad", "model.embeddings": "native"},
+    )
+    model = GemModel(cfg.model)
+    with pytest.raises(ConfigError, match="with 2 processes the tables are sharded"):
+        fuse_embedding_optimizer(cfg, model, world=2)
+    fused = fuse_embedding_optimizer(cfg, model, world=1)
+    assert len(fused) == 2  # the sequence and the pooled collections
+    no_tables = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="set model.embeddings=native"):
+        fuse_embedding_optimizer(cfg, no_tables, world=1)

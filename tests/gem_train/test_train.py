@@ -36,6 +36,18 @@ def test_tiny_learns_the_planted_signal(tmp_path):
     assert summary["qps"] > 0 and summary["wall_s"] > 0
 
 
+def test_tiny_learns_with_the_fused_rowwise_adagrad_tables(tmp_path):
+    """Native tables that update their touched rows in the backward (no dense table gradient)."""
+    summary_path = tmp_path / "summary.json"
+    flags = ["--model.embeddings", "native", "--optim.embedding_optimizer", "rowwise_adagrad"]
+    flags += ["--optim.embedding_lr", "0.1", "--steps", "100", "--metrics.progress", "false"]
+    assert cli.main([*flags, "--summary-json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["final_ne"] < 0.97, summary["final"]
+    assert summary["final_auc"] > 0.6, summary["final"]
+    assert any("row-wise Adagrad" in note for note in summary["optimisations"])
+
+
 def test_tensorboard_logs_and_history(small, tmp_path):
     pytest.importorskip("tensorboard", reason="TensorBoard logs need the tensorboard package")
     summary = train(small(metrics__tensorboard=str(tmp_path / "tb"), metrics__log_every=2))

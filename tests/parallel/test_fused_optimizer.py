@@ -123,6 +123,8 @@ def test_bad_settings_are_named():
         RowwiseAdagrad(eps=-1.0)
     with pytest.raises(TypeError, match="fused_optimizer: expected a RowwiseAdagrad"):
         EmbeddingTables(TABLES, fused_optimizer="adagrad")
+    with pytest.raises(TypeError, match="fused_optimizer: expected a RowwiseAdagrad"):
+        EmbeddingTables(TABLES).fuse_optimizer(torch.optim.Adagrad)
 
 
 def test_sharding_tables_with_a_fused_optimizer_is_refused(monkeypatch):

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from gem_parallel.embeddings import EmbeddingTables, RowwiseAdagrad
 from torch.distributed.tensor import DTensor
 
 from gem_train.checkpoint import Checkpointer
-from gem_train.config import TrainConfig
+from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import TrainBatches
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
 from gem_train.model import GemModel
@@ -36,6 +37,7 @@ class Run:
     eval_source: object
     checkpointer: Checkpointer | None
     notes: list[str]
+    fused_optimizers: list[RowwiseAdagrad]  # embedding tables that update in their backward
 
     def autocast(self):
         if self.cfg.lowprec.autocast_bf16:
@@ -54,6 +56,8 @@ class Run:
             factor = o.final_lr_fraction + (1 - o.final_lr_fraction) * cosine
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * factor
+        for fused in self.fused_optimizers:
+            fused.lr = (o.embedding_lr or o.lr) * factor
 
     def clip_gradients(self) -> None:
         """Clip the dense tower's global gradient norm (embeddings are not clipped).
@@ -113,17 +117,52 @@ def make_source(cfg: TrainConfig, *, stream: int = 0):
     return SyntheticStream(cfg.data, cfg.model, stream=stream)
 
 
+def fuse_embedding_optimizer(
+    cfg: TrainConfig, model: torch.nn.Module, world: int
+) -> list[RowwiseAdagrad]:
+    """With ``optim.embedding_optimizer=rowwise_adagrad``, every native table collection of the
+    model updates its looked-up rows in its own backward (``gem_parallel``'s RowwiseAdagrad);
+    returns those optimizers, whose ``lr`` follows the schedule. Otherwise nothing."""
+    o = cfg.optim
+    if o.embedding_optimizer != "rowwise_adagrad":
+        return []
+    if world > 1:
+        raise ConfigError(
+            f"optim.embedding_optimizer=rowwise_adagrad trains the native tables of one process; "
+            f"with {world} processes the tables are sharded: use optim.embedding_optimizer=adamw"
+        )
+    collections = [m for m in model.modules() if isinstance(m, EmbeddingTables)]
+    if not collections:
+        raise ConfigError(
+            "optim.embedding_optimizer=rowwise_adagrad needs the native tables, but the model's "
+            "embeddings are torchrec's (model.embeddings=auto found torchrec): set "
+            "model.embeddings=native"
+        )
+    fused = []
+    for tables in collections:
+        fused.append(RowwiseAdagrad(lr=o.embedding_lr or o.lr))
+        tables.fuse_optimizer(fused[-1])
+    return fused
+
+
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW in groups: embeddings (``optim.embedding_lr``, no decay), dense matrices (decay),
-    other dense parameters (norms, biases, seeds; no decay).
+    other dense parameters (norms, biases, seeds; no decay). Tables with a fused optimizer
+    (``fuse_embedding_optimizer``) train themselves and are left out.
 
     Sharded (DTensor) and plain parameters also go in separate groups: AdamW's fused multi-tensor
     update cannot mix the two.
     """
     o = cfg.optim
+    self_training = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, EmbeddingTables) and m.fused_optimizer is not None
+        for p in m.parameters()
+    }
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in self_training:
             kind = "dense_matrix" if name.startswith("dense.") and p.dim() >= 2 else "other"
             kind = "embedding" if not name.startswith("dense.") else kind
             groups.setdefault((kind, isinstance(p, DTensor)), []).append(p)
@@ -158,6 +197,9 @@ def build_run(cfg: TrainConfig) -> Run:
     model, notes = apply_optimizations(
         model, cfg, device=device, world=world, sample_source=make_source(cfg)
     )
+    fused_optimizers = fuse_embedding_optimizer(cfg, model, world)
+    if fused_optimizers:
+        notes.append("embeddings: row-wise Adagrad fused into the lookups' backward")
     optimizer = build_optimizer(cfg, model)
     eval_source = make_source(cfg, stream=EVAL_STREAM)
     checkpointer = (
@@ -167,5 +209,6 @@ def build_run(cfg: TrainConfig) -> Run:
     )
     torch.manual_seed(cfg.seed + 1 + rank)  # the training stream of random numbers, per rank
     return Run(
-        cfg, device, rank, world, model, optimizer, batches, eval_source, checkpointer, notes
-    )
+        cfg, device, rank, world, model, optimizer, batches, eval_source, checkpointer, notes,
+        fused_optimizers,
+    )  # fmt: skip

@@ -104,11 +104,6 @@ class EmbeddingTables(nn.Module):
     ):
         super().__init__()
         check_tables(tables, pooling)
-        if fused_optimizer is not None and not isinstance(fused_optimizer, RowwiseAdagrad):
-            raise TypeError(
-                f"fused_optimizer: expected a RowwiseAdagrad or None, got "
-                f"{type(fused_optimizer).__name__}"
-            )
         self.tables = list(tables)
         self.pooling = pooling
         self.validate_ids = validate_ids  # False when the data reader already checked the ids
@@ -122,13 +117,24 @@ class EmbeddingTables(nn.Module):
                 for t in self.tables
             }
         )
-        self.fused_optimizer = fused_optimizer
+        self.fused_optimizer: RowwiseAdagrad | None = None
         self.rowwise_state = nn.Module()  # buffers: one float32 accumulator per row and table
         if fused_optimizer is not None:
-            for t in self.tables:
-                self.rowwise_state.register_buffer(
-                    t.name, torch.zeros(t.num_embeddings, dtype=torch.float32, device=device)
-                )
+            self.fuse_optimizer(fused_optimizer)
+
+    def fuse_optimizer(self, optimizer: RowwiseAdagrad) -> None:
+        """From now on each lookup's backward updates its rows with ``optimizer`` (the weights
+        get no ``.grad``); the per-row state starts at zero, on the weights' device."""
+        if not isinstance(optimizer, RowwiseAdagrad):
+            raise TypeError(
+                f"fused_optimizer: expected a RowwiseAdagrad, got {type(optimizer).__name__}"
+            )
+        self.fused_optimizer = optimizer
+        for t in self.tables:
+            if not hasattr(self.rowwise_state, t.name):
+                weight = self.weights[t.name]
+                state = torch.zeros(t.num_embeddings, dtype=torch.float32, device=weight.device)
+                self.rowwise_state.register_buffer(t.name, state)
 
     def _rows(self, table: TableConfig, ids: torch.Tensor) -> torch.Tensor:
         weight = self.weights[table.name]
