@@ -105,14 +105,21 @@ def test_training_steps_stop_compiling_kernels(small, recipe):
 
 
 @pytest.mark.gpu
-def test_training_steps_read_nothing_back_from_embeddings_or_offsets(small):
-    """The embedding lookups (ids per key known on the host) and the attention ops (history
-    offsets checked on the host as they move) do not synchronise with the GPU in a step."""
+@pytest.mark.parametrize("embedding_optimizer", ["adamw", "rowwise_adagrad"])
+def test_training_steps_read_nothing_back_from_embeddings_or_offsets(small, embedding_optimizer):
+    """The embedding lookups (ids per key known on the host), their fused row-wise Adagrad and
+    the attention ops (history offsets checked on the host as they move) do not synchronise
+    with the GPU in a step."""
     from gem_train.components import build_run
     from gem_train.profiling import StepTimer, count_syncs
     from gem_train.train import train_step
 
-    run = build_run(small(**GPU, steps=6, lowprec__recipe="none", lowprec__autocast_bf16=True))
+    run = build_run(
+        small(
+            **GPU, steps=6, lowprec__recipe="none", lowprec__autocast_bf16=True,
+            model__embeddings="native", optim__embedding_optimizer=embedding_optimizer,
+        )
+    )  # fmt: skip
     timer = StepTimer(run.device, enabled=False)
     for step in range(3):
         train_step(run, next(run.batches), step, timer)
