@@ -1,4 +1,4 @@
-"""Compile the jagged attention kernels for Hopper (sm_90) on a machine without a GPU.
+"""Compile the attention and SwiGLU kernels for Hopper (sm_90) on a machine without a GPU.
 
 Triton compiles ahead of time for any target it knows, and its wheel ships ``ptxas``. This script
 swaps in a driver that reports an sm_90 device, turns every launch into a compile-only warm-up,
@@ -167,11 +167,22 @@ def _block_attention():
     return run
 
 
+def _swiglu():
+    from gem_train.model.swiglu import swiglu_backward_triton, swiglu_forward_triton
+
+    def run():
+        u = torch.randn(4100, 2 * 2816, dtype=torch.bfloat16)
+        swiglu_backward_triton(u, swiglu_forward_triton(u))
+
+    return run
+
+
 OPS = {
     "jfa": _jfa(rel_bias=False),
     "jfa_bias": _jfa(rel_bias=True),
     "gdpa": _gdpa(),
     "block_attention": _block_attention(),
+    "swiglu": _swiglu(),
 }
 
 

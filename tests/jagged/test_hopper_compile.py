@@ -1,5 +1,6 @@
-"""The jagged attention kernels compile for Hopper (sm_90) with their GPU tile configs, checked on
-a machine without a GPU through ``scripts/hopper_compile.py`` (Triton compiles ahead of time)."""
+"""The attention and SwiGLU kernels compile for Hopper (sm_90) with their GPU tile configs,
+checked on a machine without a GPU through ``scripts/hopper_compile.py`` (Triton compiles ahead
+of time)."""
 
 import os
 import pathlib
@@ -12,7 +13,7 @@ SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "hopper_compile.py"
 
 
 @pytest.mark.slow
-def test_attention_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900
@@ -21,7 +22,8 @@ def test_attention_kernels_compile_for_sm90():
     for kernel in (
         "_jfa_fwd_kernel", "_jfa_dq_kernel", "_jfa_dkdv_kernel", "_jfa_dkdv_finish_kernel",
         "_gdpa_fwd_kernel", "_gdpa_bwd_dq_kernel", "_gdpa_bwd_dkdv_kernel",
-        "_block_attention_fwd_kernel", "_block_attention_bwd_kernel",
+        "_block_attention_fwd_kernel", "_block_attention_bwd_kernel", "_swiglu_fwd_kernel",
+        "_swiglu_bwd_kernel",
     ):  # fmt: skip
         assert f"| {kernel} |" in done.stdout, kernel
     assert "| jfa_bias | _jfa_dq_kernel |" in done.stdout

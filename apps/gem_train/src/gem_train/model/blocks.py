@@ -9,24 +9,26 @@ all experts locally.
 """
 
 import torch
-import torch.nn.functional as F
 from gem_parallel import MoE, MoEConfig
 from torch import nn
 
 from gem_train.config import ModelConfig
 from gem_train.model.attention import HistorySelfAttention
 from gem_train.model.norm import RMSNorm
+from gem_train.model.swiglu import swiglu
 
 
 class SwiGLU(nn.Module):
+    """``W2 (silu(W1 x) ⊙ W3 x)``, with ``W1`` and ``W3`` stacked into one linear ``w13`` (one
+    GEMM, one quantization of ``x``) and the gate fused (``gem_train.model.swiglu``)."""
+
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w13 = nn.Linear(d_model, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w13(x)))
 
 
 class Block(nn.Module):
