@@ -13,7 +13,7 @@ Rows (each variant in its own process, one after another, same data, same steps)
   gradient and a whole-table update each step) instead of updating their touched rows in the
   lookups' backward (gem_parallel's RowwiseAdagrad);
 - ``PyTorch-native``: the anchor, the same model from PyTorch pieces: padded SDPA, BF16, no
-  checkpointing, no shuffling, AdamW for every parameter.
+  checkpointing, no shuffling, AdamW for every parameter, PyTorch's SwiGLU gate.
 
 Each row runs the trainer's own loop (``train_step`` and the ``Reporter``), warms up for
 ``--warmup`` steps and then until a step compiles no Triton kernel variant (at most 12 more: the
@@ -68,7 +68,7 @@ VARIANTS = {
     "PyTorch-native": {
         "model.attention": "padded", "model.pooling_attention": "padded", "lowprec.recipe": "none",
         "lowprec.token_multiple": "0", "memory.autoac": "false", "data.shuffle": "false",
-        "optim.embedding_optimizer": "adamw",
+        "optim.embedding_optimizer": "adamw", "model.fused_swiglu": "false",
     },
 }  # fmt: skip
 NUMERICS = (

@@ -52,6 +52,9 @@ class ModelConfig:
     rel_bias_radius: int = opt(32, "relative-position bias buckets on each side (R)")
     ffn: str = opt("swiglu", "feed-forward of each block: swiglu or moe")
     ffn_hidden: int = opt(128, "SwiGLU hidden width (per expert for moe)")
+    fused_swiglu: bool = opt(
+        True, "the SwiGLU gate in one Triton pass each way on CUDA (false: PyTorch's silu and ⊙)"
+    )
     n_experts: int = opt(4, "experts per MoE layer")
     top_k: int = opt(2, "experts each token is routed to")
     moe_capacity_factor: float = opt(

@@ -15,20 +15,22 @@ from torch import nn
 from gem_train.config import ModelConfig
 from gem_train.model.attention import HistorySelfAttention
 from gem_train.model.norm import RMSNorm
-from gem_train.model.swiglu import swiglu
+from gem_train.model.swiglu import swiglu, swiglu_reference
 
 
 class SwiGLU(nn.Module):
     """``W2 (silu(W1 x) ⊙ W3 x)``, with ``W1`` and ``W3`` stacked into one linear ``w13`` (one
-    GEMM, one quantization of ``x``) and the gate fused (``gem_train.model.swiglu``)."""
+    GEMM, one quantization of ``x``) and, when ``fused``, the gate in one pass
+    (``gem_train.model.swiglu``)."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, *, fused: bool = True):
         super().__init__()
         self.w13 = nn.Linear(d_model, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.gate = swiglu if fused else swiglu_reference
 
     def forward(self, x):
-        return self.w2(swiglu(self.w13(x)))
+        return self.w2(self.gate(self.w13(x)))
 
 
 class Block(nn.Module):
@@ -41,7 +43,7 @@ class Block(nn.Module):
         )  # fmt: skip
         self.ffn_norm = RMSNorm(m.d_model)
         self.ffn = (
-            SwiGLU(m.d_model, m.ffn_hidden)
+            SwiGLU(m.d_model, m.ffn_hidden, fused=m.fused_swiglu)
             if m.ffn == "swiglu"
             else MoE(
                 MoEConfig(
