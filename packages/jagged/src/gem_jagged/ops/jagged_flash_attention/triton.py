@@ -199,6 +199,11 @@ def _key_block_stops(
     return far_stop, full_stop
 
 
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
 @jit
 def _fwd_key_blocks(
     acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo, bias_offsets,
