@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 
 BLOCK_R, BLOCK_C = 8, 512  # a program gates 8 rows × 512 columns of h (on the CPU too)
+# The token count changes with every jagged batch: specialising on it (divisible by 16, equal to
+# 1) would compile new variants as batches come (``gem_jagged._jit`` says more).
+_jit = triton.jit(do_not_specialize=["T"])
 
 
 def swiglu_reference(u: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ def _check(u: torch.Tensor) -> None:
         raise ValueError(f"u: expected a floating dtype, got {u.dtype}")
 
 
-@triton.jit
+@_jit
 def _swiglu_fwd_kernel(u_TF2, h_TF, T, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -65,7 +68,7 @@ def _swiglu_fwd_kernel(u_TF2, h_TF, T, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
     tl.store(out, h_RC.to(h_TF.dtype.element_ty), mask=mask_RC)
 
 
-@triton.jit
+@_jit
 def _swiglu_bwd_kernel(u_TF2, dh_TF, du_TF2, T, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
