@@ -442,3 +442,27 @@ def test_gpu_compile_and_cuda_graph_capture():
     torch.testing.assert_close(graph_out, eager, atol=0, rtol=0)
     for g, e in zip(graph_grads, eager_grads, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("rows", "cols", "keys_on_rows"), [(128, 64, False), (128, 64, True)])
+@pytest.mark.parametrize("radius", [0, 5, 32, 200])
+def test_relative_bias_tiles_hold_each_offsets_bias(rows, cols, keys_on_rows, radius):
+    """Entry t is the bias of a tile whose first key minus first query is o_lo + t·step; the
+    first entry is all bucket 0, the last all bucket 2R, so clamping an offset into the table is
+    exact. In the inputs' dtype, as the reference adds it."""
+    from gem_jagged.ops.jagged_flash_attention.bias_tiles import relative_bias_tiles
+
+    bias = torch.randn(3, 2 * radius + 1, dtype=torch.float64)
+    tiles, o_lo, count = relative_bias_tiles(
+        bias, rows=rows, cols=cols, keys_on_rows=keys_on_rows, dtype=torch.float16
+    )
+    step = math.gcd(rows, cols)
+    assert tiles.shape == (3, count, rows, cols) and tiles.dtype == torch.float16
+    a, b = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    for t in range(count):
+        offset = o_lo + t * step
+        key_minus_query = offset + ((a - b) if keys_on_rows else (b - a))
+        expected = bias.half()[:, key_minus_query.clamp(-radius, radius) + radius]
+        assert torch.equal(tiles[:, t], expected), t
+    assert torch.equal(tiles[:, 0], bias.half()[:, :1, None].expand(3, rows, cols))
+    assert torch.equal(tiles[:, -1], bias.half()[:, -1:, None].expand(3, rows, cols))
