@@ -445,7 +445,7 @@ def test_gpu_compile_and_cuda_graph_capture():
 
 
 @pytest.mark.parametrize(("rows", "cols", "keys_on_rows"), [(128, 64, False), (128, 64, True)])
-@pytest.mark.parametrize("radius", [0, 5, 32, 200])
+@pytest.mark.parametrize("radius", [0, 2, 5, 32, 200])
 def test_relative_bias_tiles_hold_each_offsets_bias(rows, cols, keys_on_rows, radius):
     """Entry t is the bias of a tile whose first key minus first query is o_lo + t·step; the
     first entry is all bucket 0, the last all bucket 2R, so clamping an offset into the table is
