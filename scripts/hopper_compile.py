@@ -1,10 +1,11 @@
-"""Compile the attention and SwiGLU kernels for Hopper (sm_90) on a machine without a GPU.
+"""Compile the project's Triton kernels for Hopper (sm_90) on a machine without a GPU.
 
 Triton compiles ahead of time for any target it knows, and its wheel ships ``ptxas``. This script
 swaps in a driver that reports an sm_90 device, turns every launch into a compile-only warm-up,
-runs the ops' launchers on CPU tensors (with the GPU tile configs, not the interpreter's), and
-prints each kernel's registers per thread, spilled bytes and shared memory as ``ptxas -v``
-reports them. A kernel that does not compile for sm_90 fails here, without device time.
+runs the ops' launchers on CPU tensors (with the GPU tile configs and code paths, such as the
+low-precision kernels' hardware fp8 conversion, not the interpreter's), and prints each kernel's
+registers per thread, spilled bytes and shared memory as ``ptxas -v`` reports them. A kernel
+that does not compile for sm_90 fails here, without device time.
 
 The numbers are this machine's Triton's: the GPU image may run another version, whose code
 generation differs. They are a guide to register pressure (spills), not a measurement of speed.
@@ -82,23 +83,44 @@ def compile_only():
         active_driver._active = previous
 
 
-@contextmanager
-def gpu_configs():
-    """The ops pick tiles by device type; have them pick the GPU's for CPU tensors."""
+class _Patches:
+    """Attributes set for the duration of a ``with``, restored after."""
+
+    def __init__(self, *patches):
+        self.patches = patches  # (object, attribute name, value)
+
+    def __enter__(self):
+        self.saved = [(obj, name, getattr(obj, name)) for obj, name, _ in self.patches]
+        for obj, name, value in self.patches:
+            setattr(obj, name, value)
+
+    def __exit__(self, *exc):
+        for obj, name, value in self.saved:
+            setattr(obj, name, value)
+
+
+def gpu_configs() -> _Patches:
+    """The ops pick tiles and code paths by device type; have them pick the GPU's."""
     from gem_jagged.ops.gdpa import triton as gdpa
     from gem_jagged.ops.jagged_flash_attention import triton as jfa
+    from gem_lowprec.ops.fp8_cast import triton as fp8_cast
+    from gem_lowprec.ops.mx_quantize import triton as mx
+    from gem_lowprec.ops.rmsnorm_mx import triton as rmsnorm_mx
 
-    saved = (jfa.config_for, jfa._sm_count, gdpa.default_tiles, gdpa.activation_code)
-    jfa.config_for = lambda head_dim, device, dtype, **kw: saved[0](
-        head_dim, FAKE_CUDA, dtype, **kw
+    config_for, tiles_for, act_code = jfa.config_for, gdpa.default_tiles, gdpa.activation_code
+    properties = type("Properties", (), {"multi_processor_count": SM_COUNT})()
+    return _Patches(
+        (jfa, "config_for", lambda hd, device, dtype, **kw: config_for(hd, FAKE_CUDA, dtype, **kw)),
+        (jfa, "_sm_count", lambda device: SM_COUNT),
+        (gdpa, "default_tiles", lambda device, hd, dtype: tiles_for(FAKE_CUDA, hd, dtype)),
+        (gdpa, "activation_code", lambda act, dtype, device: act_code(act, dtype, FAKE_CUDA)),
+        (fp8_cast, "_on_gpu", lambda x: True),
+        (mx, "default_tiles", lambda device: mx.GPU_TILES),
+        (mx, "use_hw_convert", lambda x, force_integer: not force_integer),
+        (rmsnorm_mx, "use_hw_convert", lambda x, force_integer: not force_integer),
+        (rmsnorm_mx, "INTERPRETER_TILES", rmsnorm_mx.GPU_TILES),
+        (torch.cuda, "get_device_properties", lambda device=None: properties),
     )
-    jfa._sm_count = lambda device: SM_COUNT
-    gdpa.default_tiles = lambda device, head_dim, dtype: saved[2](FAKE_CUDA, head_dim, dtype)
-    gdpa.activation_code = lambda activation, dtype, device: saved[3](activation, dtype, FAKE_CUDA)
-    try:
-        yield
-    finally:
-        jfa.config_for, jfa._sm_count, gdpa.default_tiles, gdpa.activation_code = saved
 
 
 def ptxas_usage(kernel) -> dict:
@@ -177,12 +199,40 @@ def _swiglu():
     return run
 
 
+def _lowprec():
+    from gem_lowprec.formats import E4M3, E5M2
+    from gem_lowprec.ops.fp8_cast import triton as fp8_cast
+    from gem_lowprec.ops.mx_quantize import triton as mx
+    from gem_lowprec.ops.rmsnorm_mx.triton import rmsnorm_mx
+
+    layouts = (dict(rows=True, cols=True, tile_2d=False), dict(rows=True, cols=False, tile_2d=True))
+
+    def run():
+        x = torch.randn(4096, 1024, dtype=torch.bfloat16)
+        mult = torch.rand(4096)
+        for fmt in (E4M3, E5M2):
+            fp8_cast.cast_rows(x, fmt, transposed=True, col_amax_row_mult=None)
+            fp8_cast.cast_rows(x, fmt, transposed=False, col_amax_row_mult=mult)
+            fp8_cast.cast_both(x, fmt)
+            amax = fp8_cast.column_amax(x, mult)
+            fp8_cast.cast_columns(x, fmt, row_mult=mult, col_amax=amax)
+            fp8_cast.mx_rowcol_k128(x, fmt, scale_mode="rceil")
+            mx.mx_quantize_merged_k128(x, fmt, scale_mode="rceil")
+            for layout in layouts:
+                mx.mx_quantize(x, fmt, **layout, scale_mode="rceil", seed=None)
+            mx.mx_quantize(x, fmt, rows=True, cols=False, tile_2d=False, scale_mode="floor", seed=3)
+            rmsnorm_mx(x, torch.ones(1024), 1e-6, fmt, "rceil")
+
+    return run
+
+
 OPS = {
     "jfa": _jfa(rel_bias=False),
     "jfa_bias": _jfa(rel_bias=True),
     "gdpa": _gdpa(),
     "block_attention": _block_attention(),
     "swiglu": _swiglu(),
+    "lowprec": _lowprec(),
 }
 
 

@@ -1,6 +1,6 @@
-"""The attention and SwiGLU kernels compile for Hopper (sm_90) with their GPU tile configs,
-checked on a machine without a GPU through ``scripts/hopper_compile.py`` (Triton compiles ahead
-of time)."""
+"""The project's Triton kernels compile for Hopper (sm_90) with their GPU tile configs and code
+paths, checked on a machine without a GPU through ``scripts/hopper_compile.py`` (Triton
+compiles ahead of time)."""
 
 import os
 import pathlib
@@ -23,7 +23,9 @@ def test_kernels_compile_for_sm90():
         "_jfa_fwd_kernel", "_jfa_dq_kernel", "_jfa_dkdv_kernel", "_jfa_dkdv_finish_kernel",
         "_gdpa_fwd_kernel", "_gdpa_bwd_dq_kernel", "_gdpa_bwd_dkdv_kernel",
         "_block_attention_fwd_kernel", "_block_attention_bwd_kernel", "_swiglu_fwd_kernel",
-        "_swiglu_bwd_kernel",
+        "_swiglu_bwd_kernel", "cast_rows_kernel", "cast_both_kernel", "cast_columns_kernel",
+        "mx_rowcol_k128_kernel", "mx_quantize_rows_kernel", "mx_quantize_tile2d_kernel",
+        "rmsnorm_mx_kernel",
     ):  # fmt: skip
         assert f"| {kernel} |" in done.stdout, kernel
     assert "| jfa_bias | _jfa_dq_kernel |" in done.stdout
