@@ -466,3 +466,30 @@ def test_relative_bias_tiles_hold_each_offsets_bias(rows, cols, keys_on_rows, ra
         assert torch.equal(tiles[:, t], expected), t
     assert torch.equal(tiles[:, 0], bias.half()[:, :1, None].expand(3, rows, cols))
     assert torch.equal(tiles[:, -1], bias.half()[:, -1:, None].expand(3, rows, cols))
+
+
+@pytest.mark.parametrize("radius", [None, 3])
+def test_views_of_a_fused_qkv_projection_are_read_in_place(radius):
+    """q, k, v as views of one ``[T, 3, N, H]`` tensor (rows 3·N·H apart): no copy is made, and
+    outputs and gradients equal those of contiguous inputs."""
+    from gem_jagged.ops.jagged_flash_attention.triton import _rows_of_heads
+
+    lengths = [37, 0, 16, 90]
+    tensors, q_off, _ = _case(
+        lengths, lengths, heads=2, head_dim=32, radius=radius, seed=9, dtype=torch.float32
+    )
+    qkv = torch.stack([tensors["q"], tensors["k"], tensors["v"]], dim=1).requires_grad_()
+    q, k, v = qkv.unbind(1)
+    kept = zip(_rows_of_heads(q, k, v), (q, k, v), strict=True)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in kept)
+    bias = tensors.get("rel_bias")
+    bias = None if bias is None else bias.clone().requires_grad_()
+    out = jagged_flash_attention(q, k, v, q_off, causal=True, rel_bias=bias, backend="triton")
+    grads = torch.autograd.grad(out, [qkv] + ([bias] if bias is not None else []), tensors["do"])
+    expected, names = _run(
+        tensors, q_off, q_off, causal=True, backend="triton", dtype=torch.float32
+    )
+    torch.testing.assert_close(out, expected[0])
+    torch.testing.assert_close(grads[0], torch.stack(expected[1:4], dim=1))
+    if bias is not None:
+        torch.testing.assert_close(grads[1], expected[4])

@@ -52,7 +52,9 @@ Host cost. A forward + backward step of a small batch is over in a few hundred m
 device time, so what the host does per call matters: the work lists are remembered per offsets
 tensor (``cache=True`` of ``gem_jagged._worklist``), the forward's query list is handed to the
 backward, and the dK/dV split (with its float32 scratch and finishing kernel) is only used when
-the longest sequence would otherwise be the tail of the launch (``dkdv_splits``).
+the longest sequence would otherwise be the tail of the launch (``dkdv_splits``). Q, K and V
+are read where they lie as long as each token's heads are dense (the views of a fused QKV
+projection are): the kernels take their row strides instead of a contiguous copy of each.
 """
 
 import dataclasses
@@ -207,7 +209,7 @@ def _key_block_stops(
 @jit
 def _fwd_key_blocks(
     acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo, bias_offsets,
-    q_start, rows_M, k_len, diag, start, stop, qk_scale_log2, stride_t,
+    q_start, rows_M, k_len, diag, start, stop, qk_scale_log2, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
     BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -217,7 +219,7 @@ def _fwd_key_blocks(
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
-        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_t + dims_H[None, :]
+        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_kv + dims_H[None, :]
         if MASKED:
             in_seq_N = cols_N < k_len
             k_NH = tl.load(k_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
@@ -260,7 +262,7 @@ def _fwd_key_blocks(
 def _jfa_fwd_kernel(
     q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq, bias_tiles_NOMN,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
-    num_heads, total_q, qk_scale_log2, radius, bias_o_lo, bias_offsets,
+    num_heads, total_q, qk_scale_log2, radius, bias_o_lo, bias_offsets, stride_q, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -276,15 +278,17 @@ def _jfa_fwd_kernel(
     q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
     diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
-    stride_t = num_heads * HEAD_DIM
 
     rows_M = q_start + tl.arange(0, BLOCK_M)
     dims_H = tl.arange(0, HEAD_DIM)
     row_ok_M = rows_M < q_len
-    q_offsets_MH = (q_begin + rows_M.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
-    q_MH = tl.load(q_TqNH + q_offsets_MH + dims_H[None, :], mask=row_ok_M[:, None], other=0.0)
-    k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
-    v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
+    q_rows_M = q_begin + rows_M.to(tl.int64)
+    q_MH = tl.load(
+        q_TqNH + q_rows_M[:, None] * stride_q + head * HEAD_DIM + dims_H[None, :],
+        mask=row_ok_M[:, None], other=0.0,
+    )  # fmt: skip
+    k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
+    v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
     bias_head = bias_tiles_NOMN + head.to(tl.int64) * bias_offsets * (BLOCK_M * BLOCK_N)
 
     m_M = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -300,19 +304,19 @@ def _jfa_fwd_kernel(
         far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
     acc_MH, l_M, m_M = _fwd_key_blocks(
         acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
-        bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2, stride_t,
+        bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2, stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False, BIAS_STEP, DOT_PRECISION,
         NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
         acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
-        bias_offsets, q_start, rows_M, k_len, diag, far_stop, full_stop, qk_scale_log2, stride_t,
+        bias_offsets, q_start, rows_M, k_len, diag, far_stop, full_stop, qk_scale_log2, stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DOT_PRECISION,
         NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
         acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
-        bias_offsets, q_start, rows_M, k_len, diag, full_stop, k_stop, qk_scale_log2, stride_t,
+        bias_offsets, q_start, rows_M, k_len, diag, full_stop, k_stop, qk_scale_log2, stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DOT_PRECISION,
         NUM_STAGES,
     )  # fmt: skip
@@ -323,7 +327,7 @@ def _jfa_fwd_kernel(
     log2_sum_M = m_M + tl.math.log2(tl.where(seen_M, l_M, 1.0))
     lse_M = tl.where(seen_M, log2_sum_M * 0.6931471805599453, float("inf"))  # natural log
     tl.store(
-        out_TqNH + q_offsets_MH + dims_H[None, :],
+        out_TqNH + q_rows_M[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM + dims_H[None, :],
         out_MH.to(out_TqNH.dtype.element_ty),
         mask=row_ok_M[:, None],
     )
@@ -338,7 +342,8 @@ def _jfa_fwd_kernel(
 @jit
 def _dkdv_query_blocks(
     dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head, far_bias_log2,
-    bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, start, stop, qk_scale_log2, stride_t,
+    bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, start, stop, qk_scale_log2, stride_q,
+    stride_o,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
     BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -349,9 +354,13 @@ def _dkdv_query_blocks(
     for block_start in tl.range(start, stop, BLOCK_M, num_stages=NUM_STAGES):
         rows_M = block_start + tl.arange(0, BLOCK_M)
         row_ok_M = rows_M < q_len
-        q_offsets_MH = rows_M.to(tl.int64)[:, None] * stride_t + dims_H[None, :]
-        q_MH = tl.load(q_head + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
-        do_MH = tl.load(do_head + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+        rows_M1 = rows_M.to(tl.int64)[:, None]
+        q_MH = tl.load(
+            q_head + rows_M1 * stride_q + dims_H[None, :], mask=row_ok_M[:, None], other=0.0
+        )
+        do_MH = tl.load(
+            do_head + rows_M1 * stride_o + dims_H[None, :], mask=row_ok_M[:, None], other=0.0
+        )
         lse_M = tl.load(lse_head + rows_M, mask=row_ok_M, other=float("inf")) * 1.4426950408889634
         delta_M = tl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
         # Rebuild Pᵀ from the saved log-sum-exp.
@@ -380,7 +389,7 @@ def _jfa_dkdv_kernel(
     q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NONM,
     dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
-    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
+    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets, stride_q, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -398,17 +407,18 @@ def _jfa_dkdv_kernel(
     q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
     diag = k_len - q_len
-    stride_t = num_heads * HEAD_DIM
+    stride_o = num_heads * HEAD_DIM  # dO, dK, dV and the scratch are contiguous
 
     cols_N = k_start + tl.arange(0, BLOCK_N)
     dims_H = tl.arange(0, HEAD_DIM)
     col_ok_N = cols_N < k_len
-    kv_offsets_NH = (k_begin + cols_N.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
-    kv_offsets_NH += dims_H[None, :]
-    k_NH = tl.load(k_TkNH + kv_offsets_NH, mask=col_ok_N[:, None], other=0.0)
-    v_NH = tl.load(v_TkNH + kv_offsets_NH, mask=col_ok_N[:, None], other=0.0)
-    q_head = q_TqNH + q_begin * stride_t + head * HEAD_DIM
-    do_head = do_TqNH + q_begin * stride_t + head * HEAD_DIM
+    k_rows_N1 = (k_begin + cols_N.to(tl.int64))[:, None]
+    kv_in_NH = k_rows_N1 * stride_kv + head * HEAD_DIM + dims_H[None, :]
+    k_NH = tl.load(k_TkNH + kv_in_NH, mask=col_ok_N[:, None], other=0.0)
+    v_NH = tl.load(v_TkNH + kv_in_NH, mask=col_ok_N[:, None], other=0.0)
+    kv_offsets_NH = k_rows_N1 * stride_o + head * HEAD_DIM + dims_H[None, :]
+    q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
+    do_head = do_TqNH + q_begin * stride_o + head * HEAD_DIM
     lse_head = lse_NTq + head * total_q + q_begin
     delta_head = delta_NTq + head * total_q + q_begin
     bias_head = bias_tiles_NONM + head.to(tl.int64) * bias_offsets * (BLOCK_N * BLOCK_M)
@@ -434,19 +444,19 @@ def _jfa_dkdv_kernel(
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo, mask_stop,
-        qk_scale_log2, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True,
+        qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True,
         BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, mask_stop, far_start,
-        qk_scale_log2, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False,
+        qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False,
         BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, far_start, q_hi,
-        qk_scale_log2, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
+        qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
         BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH = dk_NH * scale
@@ -496,7 +506,7 @@ def _jfa_dkdv_finish_kernel(
 def _dq_key_blocks(
     dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head, far_bias_log2,
     bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag, start, stop,
-    qk_scale_log2, radius, stride_t,
+    qk_scale_log2, radius, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr,
     MASKED: tl.constexpr, BIAS_STEP: tl.constexpr, DIAG_CHUNK: tl.constexpr,
@@ -508,7 +518,7 @@ def _dq_key_blocks(
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
-        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_t + dims_H[None, :]
+        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_kv + dims_H[None, :]
         if MASKED:
             in_seq_N = cols_N < k_len
             k_NH = tl.load(k_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
@@ -577,7 +587,7 @@ def _jfa_dq_kernel(
     q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NOMN, dq_TqNH,
     dbias_part_PR2,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
-    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
+    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets, stride_q, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DIAG_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -593,14 +603,17 @@ def _jfa_dq_kernel(
     q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
     diag = k_len - q_len
-    stride_t = num_heads * HEAD_DIM
+    stride_o = num_heads * HEAD_DIM  # O, dO and dQ are contiguous
 
     rows_M = q_start + tl.arange(0, BLOCK_M)
     dims_H = tl.arange(0, HEAD_DIM)
     row_ok_M = rows_M < q_len
-    q_offsets_MH = (q_begin + rows_M.to(tl.int64))[:, None] * stride_t + head * HEAD_DIM
-    q_offsets_MH += dims_H[None, :]
-    q_MH = tl.load(q_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
+    q_rows_M1 = (q_begin + rows_M.to(tl.int64))[:, None]
+    q_MH = tl.load(
+        q_TqNH + q_rows_M1 * stride_q + head * HEAD_DIM + dims_H[None, :],
+        mask=row_ok_M[:, None], other=0.0,
+    )  # fmt: skip
+    q_offsets_MH = q_rows_M1 * stride_o + head * HEAD_DIM + dims_H[None, :]
     do_MH = tl.load(do_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
     lse_M = tl.load(lse_NTq + head * total_q + q_begin + rows_M, mask=row_ok_M, other=float("inf"))
     lse_M = lse_M * 1.4426950408889634  # the kernels work in log2
@@ -609,8 +622,8 @@ def _jfa_dq_kernel(
     out_MH = tl.load(out_TqNH + q_offsets_MH, mask=row_ok_M[:, None], other=0.0)
     delta_M = tl.sum(out_MH.to(tl.float32) * do_MH.to(tl.float32), 1)
     tl.store(delta_NTq + head * total_q + q_begin + rows_M, delta_M, mask=row_ok_M)
-    k_head = k_TkNH + k_begin * stride_t + head * HEAD_DIM
-    v_head = v_TkNH + k_begin * stride_t + head * HEAD_DIM
+    k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
+    v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
     bias_head = bias_tiles_NOMN + head.to(tl.int64) * bias_offsets * (BLOCK_M * BLOCK_N)
     dbias_row_R2 = dbias_part_PR2 + pid.to(tl.int64) * (2 * radius + 1)
 
@@ -625,19 +638,19 @@ def _jfa_dq_kernel(
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
-        0, far_stop, qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+        0, far_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
         HAS_BIAS, True, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
-        far_stop, full_stop, qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N,
+        far_stop, full_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
         far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
-        full_stop, k_stop, qk_scale_log2, radius, stride_t, HEAD_DIM, BLOCK_M, BLOCK_N,
+        full_stop, k_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     if HAS_BIAS:
@@ -654,6 +667,20 @@ def _jfa_dq_kernel(
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _rows_of_heads(q, k, v):
+    """``q, k, v`` whose every row (token) holds its heads densely, ``[N, H]`` with unit stride;
+    the rows may be further apart (views of a fused QKV projection: no copy). ``k`` and ``v``
+    share one row stride (else both are copied)."""
+
+    def dense_heads(t):
+        return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+    q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
+    if k.stride(0) != v.stride(0):
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
 
 
 def _radius(rel_bias):
@@ -683,8 +710,8 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(head_dim, q.device, q.dtype)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    q, k, v = _rows_of_heads(q, k, v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     work = query_tiles(
         q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal,
@@ -696,8 +723,8 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     _jfa_fwd_kernel[(work.num_slots * num_heads,)](
         q, k, v, out, lse, tiles, q_offsets, kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
-        num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
+        num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets, q.stride(0),
+        k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
         DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
@@ -716,7 +743,8 @@ def jfa_backward(
     forward_work=None,
 ):  # fmt: skip
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
-    q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
+    q, k, v = _rows_of_heads(q, k, v)
+    dout, out = dout.contiguous(), out.contiguous()
     # dQ first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then reads.
     dq, dbias, delta = backward_dq(
         dout, q, k, v, out, lse, q_offsets, kv_offsets,
@@ -732,11 +760,12 @@ def jfa_backward(
 def backward_dkdv(
     dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
 ):
-    """dK and dV (contiguous inputs) from the key-tile work list, long query ranges split."""
+    """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout contiguous) from the key-tile
+    work list, long query ranges split."""
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
     cfg = config_for(head_dim, q.device, q.dtype, keys_per_seq=k.shape[0] / max(num_seqs, 1))
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
     longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
     max_splits = dkdv_splits(
         cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=num_seqs,
@@ -760,7 +789,8 @@ def backward_dkdv(
         dk, dv, dk_scratch, dv_scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
         num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+        q.stride(0), k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m,
+        BLOCK_N=cfg.dkdv_block_n,
         CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
         DOT_PRECISION=_dot_precision(q.dtype),
         NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
@@ -778,13 +808,14 @@ def backward_dq(
     dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None
 ):
     """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
-    (contiguous inputs), from the query-tile work list.
+    (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous), from the query-tile
+    work list.
 
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(head_dim, q.device, q.dtype)
-    dq = torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     radius = _radius(rel_bias)
     if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
@@ -805,8 +836,8 @@ def backward_dq(
     _jfa_dq_kernel[(num_programs,)](
         q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
         q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
-        num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
+        k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
         DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
         DOT_PRECISION=_dot_precision(q.dtype),
