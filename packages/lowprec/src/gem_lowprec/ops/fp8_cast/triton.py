@@ -589,7 +589,7 @@ def mx_rowcol_k128(x: torch.Tensor, fmt: ElemFormat, *, scale_mode: str):
     scale_t = torch.empty((R // 128, C), dtype=torch.float32, device=dev).t()
     if R and C:
         x_arg, constants = _common(x, fmt)
-        launch = dict(num_warps=16) if x.is_cuda and not INTERPRETING else {}
+        launch = dict(num_warps=16) if _on_gpu(x) else {}
         mx_rowcol_k128_kernel[(R // 128, C // 128)](
             x_arg, data, scale, data_t, scale_t, R, C, RCEIL=scale_mode == "rceil",
             **constants, **launch,
