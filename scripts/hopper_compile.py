@@ -17,6 +17,7 @@ Exits 1 when a kernel fails to compile.
 """
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -152,41 +153,34 @@ def _jagged_batch(lengths, heads, head_dim, dtype):
     return q, k, v, offsets
 
 
-def _jfa(rel_bias: bool):
+def _attention(call):
+    """A run of ``call(q, k, v, offsets)`` forward and backward on a J1-like bf16 batch."""
+
+    def run():
+        q, k, v, offsets = _jagged_batch([700, 300, 1500, 64], 4, 128, torch.bfloat16)
+        q.requires_grad_()
+        call(q, k, v, offsets).sum().backward()
+
+    return run
+
+
+def _jfa(q, k, v, offsets, *, rel_bias: bool):
     from gem_jagged import jagged_flash_attention
 
-    def run():
-        q, k, v, offsets = _jagged_batch([700, 300, 1500, 64], 4, 128, torch.bfloat16)
-        bias = torch.randn(4, 65, requires_grad=True) if rel_bias else None
-        q.requires_grad_()
-        out = jagged_flash_attention(q, k, v, offsets, causal=True, rel_bias=bias, backend="triton")
-        out.sum().backward()
-
-    return run
+    bias = torch.randn(4, 65, requires_grad=True) if rel_bias else None
+    return jagged_flash_attention(q, k, v, offsets, causal=True, rel_bias=bias, backend="triton")
 
 
-def _gdpa():
+def _gdpa(q, k, v, offsets):
     from gem_jagged import gdpa
 
-    def run():
-        q, k, v, offsets = _jagged_batch([700, 300, 1500, 64], 4, 128, torch.bfloat16)
-        q.requires_grad_()
-        out = gdpa(q, k, v, offsets, activation="silu", causal=True, backend="triton")
-        out.sum().backward()
-
-    return run
+    return gdpa(q, k, v, offsets, activation="silu", causal=True, backend="triton")
 
 
-def _block_attention():
+def _block_attention(q, k, v, offsets):
     from gem_jagged import block_attention
 
-    def run():
-        q, k, v, offsets = _jagged_batch([700, 300, 1500, 64], 4, 128, torch.bfloat16)
-        q.requires_grad_()
-        out = block_attention(q, k, v, offsets, rope_theta=10000.0, backend="triton")
-        out.sum().backward()
-
-    return run
+    return block_attention(q, k, v, offsets, rope_theta=10000.0, backend="triton")
 
 
 def _swiglu():
@@ -227,10 +221,10 @@ def _lowprec():
 
 
 OPS = {
-    "jfa": _jfa(rel_bias=False),
-    "jfa_bias": _jfa(rel_bias=True),
-    "gdpa": _gdpa(),
-    "block_attention": _block_attention(),
+    "jfa": _attention(functools.partial(_jfa, rel_bias=False)),
+    "jfa_bias": _attention(functools.partial(_jfa, rel_bias=True)),
+    "gdpa": _attention(_gdpa),
+    "block_attention": _attention(_block_attention),
     "swiglu": _swiglu(),
     "lowprec": _lowprec(),
 }

@@ -16,7 +16,7 @@ all-bucket-0 one, rounded down to ``step``) to ``o_hi`` (the first all-bucket-2R
 up): ``[N, num_offsets, rows, cols]`` in the inputs' dtype (the reference adds the bias in that
 dtype too; bf16 halves the registers a tile takes), a few hundred KB that stay in L2. A kernel clamps a tile's offset into
 ``[o_lo, o_hi]`` (exact: the clamped tiles are constant) and loads its tile with one coalesced
-load (``load_bias_tile``, which returns it in float32 log2 units for the kernels' exp2 domain),
+load (``add_relative_bias``, which adds it in float32 log2 units, the kernels' exp2 domain),
 like a key tile. Entry 0 is all bucket 0: the kernels' scalar for
 tiles left of the band is its first element.
 
@@ -75,14 +75,29 @@ def relative_bias_tiles(
 
 
 @jit
-def load_bias_tile(
-    tiles_head, offset, o_lo, num_offsets,
+def far_bias_log2(tiles_head):
+    """Bucket 0's bias in log2 units: what a tile wholly left of the band adds to every score
+    (entry 0 of the tiles is all bucket 0)."""
+    return tl.load(tiles_head).to(tl.float32) * 1.4426950408889634
+
+
+@jit
+def add_relative_bias(
+    s_RC, far_bias, tiles_head, offset, o_lo, num_offsets,
+    HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr,
     ROWS: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
-    """The ``[ROWS, COLS]`` bias tile (float32, log2 units) of a tile whose first key minus first
-    query is ``offset`` (a multiple of ``STEP``); ``tiles_head`` points at one head's tiles."""
-    o_hi = o_lo + (num_offsets - 1) * STEP
-    entry = (tl.minimum(tl.maximum(offset, o_lo), o_hi) - o_lo) // STEP
-    tile_RC = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    tile_RC = tl.load(tiles_head + entry.to(tl.int64) * (ROWS * COLS) + tile_RC)
-    return tile_RC.to(tl.float32) * 1.4426950408889634
+    """Scores ``s_RC [ROWS, COLS]`` (log2 units) plus their relative bias: nothing without a
+    bias, the scalar ``far_bias`` for a tile left of the band (``FAR_BIAS``), else the tile of
+    offset ``offset`` (first key minus first query, a multiple of ``STEP``) loaded from one
+    head's tiles."""
+    if HAS_BIAS:
+        if FAR_BIAS:
+            s_RC += far_bias
+        else:
+            o_hi = o_lo + (num_offsets - 1) * STEP
+            entry = (tl.minimum(tl.maximum(offset, o_lo), o_hi) - o_lo) // STEP
+            tile_RC = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+            tile_RC = tl.load(tiles_head + entry.to(tl.int64) * (ROWS * COLS) + tile_RC)
+            s_RC += tile_RC.to(tl.float32) * 1.4426950408889634
+    return s_RC

@@ -67,7 +67,7 @@ import triton.language as tl
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
-from .bias_tiles import load_bias_tile, relative_bias_tiles
+from .bias_tiles import add_relative_bias, far_bias_log2, relative_bias_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -208,14 +208,14 @@ def _key_block_stops(
 
 @jit
 def _fwd_key_blocks(
-    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo, bias_offsets,
+    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo, bias_offsets,
     q_start, rows_M, k_len, diag, start, stop, qk_scale_log2, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
     BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Stream key blocks ``[start, stop)`` past the query tile (online softmax update); with
-    ``FAR_BIAS`` the blocks lie left of the bias band and add ``far_bias_log2`` to every score."""
+    ``FAR_BIAS`` the blocks lie left of the bias band and add ``far_bias`` to every score."""
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
@@ -229,14 +229,10 @@ def _fwd_key_blocks(
             v_NH = tl.load(v_head + kv_offsets_NH)
         # Stage 1: scores in the log2 domain.
         s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
-        if HAS_BIAS:
-            if FAR_BIAS:
-                s_MN += far_bias_log2
-            else:
-                s_MN += load_bias_tile(
-                    bias_head, block_start - q_start, bias_o_lo, bias_offsets,
-                    BLOCK_M, BLOCK_N, BIAS_STEP,
-                )  # fmt: skip
+        s_MN = add_relative_bias(
+            s_MN, far_bias, bias_head, block_start - q_start, bias_o_lo, bias_offsets,
+            HAS_BIAS, FAR_BIAS, BLOCK_M, BLOCK_N, BIAS_STEP,
+        )  # fmt: skip
         if MASKED:
             visible_MN = in_seq_N[None, :]
             if CAUSAL:
@@ -299,23 +295,23 @@ def _jfa_fwd_kernel(
     far_stop, full_stop = _key_block_stops(
         q_start, k_len, diag, k_stop, radius, CAUSAL, HAS_BIAS, BLOCK_N
     )
-    far_bias_log2 = 0.0
+    far_bias = 0.0
     if HAS_BIAS:
-        far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
+        far_bias = far_bias_log2(bias_head)
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo,
         bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2, stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False, BIAS_STEP, DOT_PRECISION,
         NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo,
         bias_offsets, q_start, rows_M, k_len, diag, far_stop, full_stop, qk_scale_log2, stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DOT_PRECISION,
         NUM_STAGES,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias_log2, bias_o_lo,
+        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo,
         bias_offsets, q_start, rows_M, k_len, diag, full_stop, k_stop, qk_scale_log2, stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DOT_PRECISION,
         NUM_STAGES,
@@ -341,7 +337,7 @@ def _jfa_fwd_kernel(
 
 @jit
 def _dkdv_query_blocks(
-    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head, far_bias_log2,
+    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head, far_bias,
     bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, start, stop, qk_scale_log2, stride_q,
     stride_o,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -365,14 +361,10 @@ def _dkdv_query_blocks(
         delta_M = tl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
         # Rebuild Pᵀ from the saved log-sum-exp.
         s_NM = tl.dot(k_NH, tl.trans(q_MH), input_precision=DOT_PRECISION) * qk_scale_log2
-        if HAS_BIAS:
-            if FAR_BIAS:
-                s_NM += far_bias_log2
-            else:
-                s_NM += load_bias_tile(
-                    bias_head, k_start - block_start, bias_o_lo, bias_offsets,
-                    BLOCK_N, BLOCK_M, BIAS_STEP,
-                )  # fmt: skip
+        s_NM = add_relative_bias(
+            s_NM, far_bias, bias_head, k_start - block_start, bias_o_lo, bias_offsets,
+            HAS_BIAS, FAR_BIAS, BLOCK_N, BLOCK_M, BIAS_STEP,
+        )  # fmt: skip
         p_NM = tl.math.exp2(s_NM - lse_M[None, :])
         if MASKED:
             if CAUSAL:
@@ -435,27 +427,27 @@ def _jfa_dkdv_kernel(
     # Query blocks from ``far_start`` on see the key tile only left of the bias band
     # (i − j > R for every pair): one scalar bias instead of a gather.
     far_start = q_hi
-    far_bias_log2 = 0.0
+    far_bias = 0.0
     if HAS_BIAS:
         first_far = k_start + BLOCK_N + radius  # rows i ≥ this have j − i < −R for every key
         far_start = q_lo + tl.maximum(first_far - q_lo + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
         far_start = tl.minimum(tl.maximum(far_start, mask_stop), q_hi)
-        far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
+        far_bias = far_bias_log2(bias_head)
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
-        far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo, mask_stop,
+        far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo, mask_stop,
         qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True,
         BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
-        far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, mask_stop, far_start,
+        far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, mask_stop, far_start,
         qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False,
         BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
         dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
-        far_bias_log2, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, far_start, q_hi,
+        far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, far_start, q_hi,
         qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
         BIAS_STEP, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
@@ -504,7 +496,7 @@ def _jfa_dkdv_finish_kernel(
 
 @jit
 def _dq_key_blocks(
-    dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head, far_bias_log2,
+    dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head, far_bias,
     bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag, start, stop,
     qk_scale_log2, radius, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -527,14 +519,10 @@ def _dq_key_blocks(
             k_NH = tl.load(k_head + kv_offsets_NH)
             v_NH = tl.load(v_head + kv_offsets_NH)
         s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
-        if HAS_BIAS:
-            if FAR_BIAS:
-                s_MN += far_bias_log2
-            else:
-                s_MN += load_bias_tile(
-                    bias_head, block_start - q_start, bias_o_lo, bias_offsets,
-                    BLOCK_M, BLOCK_N, BIAS_STEP,
-                )  # fmt: skip
+        s_MN = add_relative_bias(
+            s_MN, far_bias, bias_head, block_start - q_start, bias_o_lo, bias_offsets,
+            HAS_BIAS, FAR_BIAS, BLOCK_M, BLOCK_N, BIAS_STEP,
+        )  # fmt: skip
         p_MN = tl.math.exp2(s_MN - lse_M[:, None])
         if MASKED:
             visible_MN = in_seq_N[None, :]
@@ -631,25 +619,25 @@ def _jfa_dq_kernel(
     far_stop, full_stop = _key_block_stops(
         q_start, k_len, diag, k_stop, radius, CAUSAL, HAS_BIAS, BLOCK_N
     )
-    far_bias_log2 = 0.0
+    far_bias = 0.0
     if HAS_BIAS:
-        far_bias_log2 = tl.load(bias_head).to(tl.float32) * 1.4426950408889634  # bucket 0
+        far_bias = far_bias_log2(bias_head)
     far_dbias = tl.sum(tl.zeros([1], tl.float32), 0)
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
-        far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
+        far_bias, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
         0, far_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
         HAS_BIAS, True, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
-        far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
+        far_bias, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
         far_stop, full_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dq_MH, far_dbias = _dq_key_blocks(
         dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
-        far_bias_log2, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
+        far_bias, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
         full_stop, k_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
