@@ -87,3 +87,31 @@ def test_fresh_batches_compile_nothing(case):
         f"{case}: fresh batches compiled {compiled_kernel_variants() - before} new kernel variants"
     )
     assert len(seen) >= 4, f"the fresh batches met too few token-count residues mod 16: {seen}"
+
+
+@pytest.mark.gpu
+def test_the_split_dkdv_path_reuses_the_unsplit_kernel():
+    """A batch whose longest sequence is long enough to split the dK/dV work (one 6k-token user
+    among short ones) runs the same compiled dK/dV kernel as the batches before it."""
+    from gem_jagged.ops.jagged_flash_attention.triton import (
+        _jfa_dkdv_kernel,
+        config_for,
+        dkdv_splits,
+    )
+
+    def dkdv_variants():
+        return sum(len(cache[0]) for cache in _jfa_dkdv_kernel.device_caches.values())
+
+    gen = torch.Generator().manual_seed(0)
+    _run("jfa self, causal, bias", [96] * 64, gen)
+    before = dkdv_variants()
+    giant = [6144] + [32] * 63
+    cfg = config_for(HEAD_DIM, torch.device("cuda"), torch.bfloat16, keys_per_seq=sum(giant) / 64)
+    splits = dkdv_splits(
+        cfg, total_q=sum(giant), total_kv=sum(giant), num_seqs=64, num_heads=HEADS,
+        longest_q=6144, causal=True, device=torch.device("cuda"),
+    )  # fmt: skip
+    assert splits > 1, "the giant batch was meant to split the dK/dV work"
+    _run("jfa self, causal, bias", giant, gen)
+    torch.cuda.synchronize()
+    assert dkdv_variants() == before, "the split dK/dV path compiled its own kernel variant"

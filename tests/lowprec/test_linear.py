@@ -284,22 +284,41 @@ def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
     assert [key[-1] for key in keys()] == [32768, 2048, 8192] and not unmeasured_keys()
 
 
+@pytest.mark.gpu
+def test_gpu_decision_under_autocast_times_the_autocast_output():
+    """A float32 input under BF16 autocast is timed as it runs: fp8 with a BF16 output against
+    the BF16 linear autocast would run, not against a float32 GEMM."""
+    import gem_lowprec.linear as linear_mod
+
+    layer = LowPrecisionLinear(256, 640, recipe=Recipe(), device="cuda")  # float32 weight
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(torch.randn(4096, 256, device="cuda"))
+    assert y.dtype == torch.bfloat16
+    keys = [key for key in linear_mod._MEASURED if key[1:3] == (256, 640)]
+    assert [key[3:] for key in keys] == [(torch.float32, torch.bfloat16, 4096)]
+
+
 def test_measure_pending_times_what_was_met_under_hooks(monkeypatch):
     """``measure_pending`` times each key met only where timing was not allowed, with the shape
     met, moves it to the measured decisions, and does nothing where timing is not allowed."""
     import gem_lowprec.linear as linear_mod
 
     calls = []
-    monkeypatch.setattr(
-        linear_mod, "_measure", lambda recipe, m, k, n, x, w: calls.append((m, k, n)) or (False, "")
-    )
-    key = (Recipe(), 256, 640, torch.bfloat16, 8192)
+
+    def measure(recipe, m, k, n, x_dtype, w_dtype, out_dtype, device):
+        calls.append((m, k, n, x_dtype, w_dtype, out_dtype))
+        return False, ""
+
+    monkeypatch.setattr(linear_mod, "_measure", measure)
+    key = (Recipe(), 256, 640, torch.float32, torch.bfloat16, 8192)
     linear_mod._UNMEASURED[key] = (5000, torch.device("cpu"), torch.float32)
     monkeypatch.setattr(linear_mod, "_timing_allowed", lambda x: False)
     assert linear_mod.measure_pending() == 0 and linear_mod.unmeasured_keys() == [key]
     monkeypatch.setattr(linear_mod, "_timing_allowed", lambda x: True)
     assert linear_mod.measure_pending() == 1
-    assert calls == [(5000, 256, 640)] and linear_mod._MEASURED[key] == (False, "")
+    # timed as met: float32 input, float32 weight, bf16 output (autocast)
+    assert calls == [(5000, 256, 640, torch.float32, torch.float32, torch.bfloat16)]
+    assert linear_mod._MEASURED[key] == (False, "")
     assert linear_mod.unmeasured_keys() == [] and linear_mod.measure_pending() == 0
 
 

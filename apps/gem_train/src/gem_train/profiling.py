@@ -37,6 +37,13 @@ class StepTimer:
         self._t = 0.0
         self._event = None
 
+    def reset(self) -> None:
+        """Forget every step timed so far (a benchmark restarting its window)."""
+        self.host_ms.clear()
+        self.events.clear()
+        self.steps = 0
+        self._event = None
+
     def begin(self) -> None:
         """Start a step (its first phase is ``data``)."""
         if not self.enabled:

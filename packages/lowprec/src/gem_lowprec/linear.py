@@ -52,7 +52,8 @@ from gem_lowprec.scaled_matmul import (
     rowwise_matmul,
 )
 
-_MEASURED: dict[tuple, tuple[bool, str]] = {}  # (recipe, K, N, dtype, M bucket) -> (fp8?, why)
+# (recipe, K, N, x dtype, output dtype, M bucket) -> (fp8?, why)
+_MEASURED: dict[tuple, tuple[bool, str]] = {}
 _FALLBACKS: dict[tuple, str] = {}  # (recipe name, M bucket, K, N, dtype) -> why
 
 
@@ -74,13 +75,10 @@ def measure_pending() -> int:
     cost, when none is pending or timing is not allowed here)."""
     measured = 0
     for key, (m, device, w_dtype) in list(_UNMEASURED.items()):
-        recipe, k, n, x_dtype, _ = key
-        probe_x = torch.empty(0, device=device, dtype=x_dtype)
-        if not _timing_allowed(probe_x):
+        recipe, k, n, x_dtype, out_dtype, _ = key
+        if not _timing_allowed(torch.empty(0, device=device)):
             break
-        _MEASURED[key] = _measure(
-            recipe, m, k, n, probe_x, torch.empty(0, device=device, dtype=w_dtype)
-        )
+        _MEASURED[key] = _measure(recipe, m, k, n, x_dtype, w_dtype, out_dtype, device)
         del _UNMEASURED[key]
         measured += 1
     return measured
@@ -252,11 +250,13 @@ def _time_fwd_bwd(fn, x, w, reps: int = 5) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _measure(recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor):
-    xr = torch.randn(m, k, device=x.device, dtype=x.dtype, requires_grad=True)
-    wr = torch.randn(n, k, device=x.device, dtype=w.dtype, requires_grad=True)
-    t_fp8 = _time_fwd_bwd(lambda a, b: _fp8_linear(a, b, recipe, a.dtype), xr, wr)
-    t_bf16 = _time_fwd_bwd(lambda a, b: F.linear(a, b), xr, wr)
+def _measure(recipe: Recipe, m, k, n, x_dtype, w_dtype, out_dtype, device):
+    """Time the fp8 path against the linear it replaces, as the forward would run them: with
+    ``out_dtype`` lower than the input's (autocast), the anchor casts x and W to it first."""
+    xr = torch.randn(m, k, device=device, dtype=x_dtype, requires_grad=True)
+    wr = torch.randn(n, k, device=device, dtype=w_dtype, requires_grad=True)
+    t_fp8 = _time_fwd_bwd(lambda a, b: _fp8_linear(a, b, recipe, out_dtype), xr, wr)
+    t_bf16 = _time_fwd_bwd(lambda a, b: F.linear(a.to(out_dtype), b.to(out_dtype)), xr, wr)
     why = f"measured fwd+bwd {recipe.name} {t_fp8:.3f} ms >= bf16 {t_bf16:.3f} ms at M={m}"
     return t_fp8 < t_bf16, why
 
@@ -272,17 +272,21 @@ def _note_fallback(recipe: Recipe, m: int, k: int, n: int, dtype, why: str) -> N
         )
 
 
-def use_fp8(recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a call with ``M`` tokens takes the fp8 path (see the module docstring)."""
+def use_fp8(
+    recipe: Recipe, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor, out_dtype=None
+) -> bool:
+    """Whether a call with ``M`` tokens and output dtype ``out_dtype`` (default: x's) takes
+    the fp8 path (see the module docstring)."""
     why = _shape_problem(recipe, m, k, n)
     if why is None and x.is_cuda and recipe.fallback.measure_on_gpu:
-        key = (recipe, k, n, x.dtype, m_bucket(m))
+        out_dtype = out_dtype or x.dtype
+        key = (recipe, k, n, x.dtype, out_dtype, m_bucket(m))
         if key not in _MEASURED:
             if not _timing_allowed(x):
                 _UNMEASURED.setdefault(key, (m, x.device, w.dtype))
                 return True
             _UNMEASURED.pop(key, None)
-            _MEASURED[key] = _measure(recipe, m, k, n, x, w)
+            _MEASURED[key] = _measure(recipe, m, k, n, x.dtype, w.dtype, out_dtype, x.device)
         use, measured_why = _MEASURED[key]
         why = None if use else measured_why
     if why is not None:
@@ -317,11 +321,13 @@ class LowPrecisionLinear(nn.Linear):
         new._choice_by_m = {}
         return new
 
-    def _use_fp8(self, x2: torch.Tensor) -> bool:
+    def _use_fp8(self, x2: torch.Tensor, out_dtype: torch.dtype) -> bool:
         m = x2.shape[0]
         if torch._C._current_graph_task_id() != -1 and m in self._choice_by_m:
             return self._choice_by_m[m]  # a recomputation repeats its forward's choice
-        use = use_fp8(self.recipe, m, self.in_features, self.out_features, x2, self.weight)
+        use = use_fp8(
+            self.recipe, m, self.in_features, self.out_features, x2, self.weight, out_dtype
+        )
         self._choice_by_m[m] = use
         if len(self._choice_by_m) > 64:
             del self._choice_by_m[next(iter(self._choice_by_m))]
@@ -331,11 +337,11 @@ class LowPrecisionLinear(nn.Linear):
         if self.recipe.name == "bf16":
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        if not self._use_fp8(x2):
-            return F.linear(x, self.weight, self.bias)
         out_dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):
             out_dtype = torch.get_autocast_dtype(x.device.type)
+        if not self._use_fp8(x2, out_dtype):
+            return F.linear(x, self.weight, self.bias)
         y = _fp8_linear(x2.contiguous(), self.weight, self.recipe, out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)

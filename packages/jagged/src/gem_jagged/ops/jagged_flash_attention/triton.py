@@ -145,6 +145,18 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
+_UNUSED_FLOAT32: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_float32(device: torch.device) -> torch.Tensor:
+    """A float32 pointer for the scratch arguments of an unsplit launch. Passing ``dk`` there
+    instead (bf16) made the split path a second compiled variant of the dK/dV kernel, compiled
+    seconds into training at the first batch with a long enough sequence."""
+    if device not in _UNUSED_FLOAT32:
+        _UNUSED_FLOAT32[device] = torch.empty(1, dtype=torch.float32, device=device)
+    return _UNUSED_FLOAT32[device]
+
+
 def dkdv_splits(
     cfg: JaggedAttentionConfig, *, total_q: int, total_kv: int, num_seqs: int, num_heads: int,
     longest_q: int, causal: bool, device: torch.device,
@@ -766,8 +778,8 @@ def backward_dkdv(
     if max_splits > 1:
         scratch = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         dk_scratch, dv_scratch = scratch[0], scratch[1]
-    else:
-        dk_scratch = dv_scratch = dk
+    else:  # never written, but float32 like the real scratch: one compiled variant for both
+        dk_scratch = dv_scratch = _unused_float32(k.device)
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
     )
