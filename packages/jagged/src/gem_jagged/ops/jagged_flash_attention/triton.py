@@ -27,20 +27,24 @@ Backward, dQ kernel (one program per (query tile, head), a query work list like 
     and ``dO``). Then it mirrors the forward loop: ``dQ += dS K``. It also owns the
     relative-bias gradient: each program reduces ``dS`` of its tiles by diagonal into its own
     row of a partial buffer, and one sum over the rows finishes it. No per-element atomics, and
-    no two programs ever add into the same address. The two clamped edge buckets take one masked
-    sum of the tile each; the interior diagonals (|j − i| < R) a tile crosses are read out of
-    the ``dS`` tile skewed (``tl.gather``: row r, column c holds diagonal d0 + c), so that one
-    column sum per diagonal gives them all, ``dq_diag_chunk`` diagonals per read. Masking the
-    tile once per diagonal instead made the dQ kernel at R = 32 do 63 full-tile reductions on
-    every tile crossing the band.
+    no two programs ever add into the same address. The interior diagonals (|j − i| < R) a tile
+    crosses are read out of the ``dS`` tile skewed (``tl.gather``: row r, column c holds
+    diagonal d0 + c), so that one column sum per diagonal gives them all, ``dq_diag_chunk``
+    diagonals per read (masking the tile once per diagonal instead made the dQ kernel at R = 32
+    do 63 full-tile reductions on every tile crossing the band). The right edge bucket (j − i ≥
+    R) takes one masked sum of a tile that reaches it, which a causal self-attention tile never
+    does. The left edge bucket (j − i ≤ −R, the bulk of a long causal sequence) costs nothing:
+    every row of dS sums to zero (``Σ_j P_ij (dP_ij − δ_i) = δ_i − δ_i Σ_j P_ij``), so the
+    whole gradient does, and bucket 0 is minus the sum of the others (one op after the sum of
+    the partial rows).
 
 Relative bias. The bias of a pair depends on ``clamp(j − i, −R, R)``: every pair of a tile lying
 wholly left of the band (``j − i < −R`` for all of it, the bulk of a long causal sequence) takes
-the same bucket 0. Such tiles add one scalar to the scores, and the dQ kernel sums their ``dS``
-in a register and adds it to bucket 0 once per program. A tile crossing the band loads its bias
-as a plain tile from ``relative_bias_tiles`` (``bias_tiles.py``: the bias of every tile offset
-that is not constant, laid out per kernel geometry), one coalesced load like a key tile's,
-instead of computing and gathering a bucket per score.
+the same bucket 0. Such tiles add one scalar to the scores, and the dQ kernel does no bias work
+on them at all (bucket 0's gradient comes from the zero row sums of dS, above). A tile crossing
+the band loads its bias as a plain tile from ``relative_bias_tiles`` (``bias_tiles.py``: the
+bias of every tile offset that is not constant, laid out per kernel geometry), one coalesced
+load like a key tile's, instead of computing and gathering a bucket per score.
 
 Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
 ``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
@@ -508,7 +512,7 @@ def _jfa_dkdv_finish_kernel(
 
 @jit
 def _dq_key_blocks(
-    dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head, far_bias,
+    dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head, far_bias,
     bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag, start, stop,
     qk_scale_log2, radius, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -516,9 +520,9 @@ def _dq_key_blocks(
     MASKED: tl.constexpr, BIAS_STEP: tl.constexpr, DIAG_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Stream key blocks ``[start, stop)``: dQ (unscaled) and the bias gradient by diagonal.
-    With ``FAR_BIAS`` the blocks lie left of the bias band: their ``dS`` sums into
-    ``far_dbias`` (bucket 0), added to the partial buffer once by the caller."""
+    """Stream key blocks ``[start, stop)``: dQ (unscaled) and the bias gradient of buckets
+    1 … 2R by diagonal (bucket 0 is finished on the host). With ``FAR_BIAS`` the blocks lie
+    left of the bias band: all bucket 0, no bias work."""
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
@@ -544,42 +548,35 @@ def _dq_key_blocks(
         dp_MN = tl.dot(do_MH, tl.trans(v_NH), input_precision=DOT_PRECISION)
         ds_MN = p_MN * (dp_MN - delta_M[:, None])
         dq_MH = tl.dot(ds_MN.to(k_NH.dtype), k_NH, dq_MH, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            if FAR_BIAS:
-                far_dbias += tl.sum(tl.sum(ds_MN, 1), 0)
-            else:
-                # Reduce dS by diagonal d = j − i into the clamped buckets, in this program's own
-                # row of the partial buffer: the two edge buckets take masked sums of the whole
-                # tile; the interior diagonals (|d| < R) the tile crosses are read out skewed,
-                # DIAG_CHUNK at a time: column c of ``ds_MK`` is diagonal d0 + c of the tile, one
-                # row per query, so a column sum is that diagonal's sum.
-                offset = block_start - q_start  # d = offset + (key col − query row) in the tile
+        if HAS_BIAS and not FAR_BIAS:
+            # Reduce dS by diagonal d = j − i into buckets 1 … 2R, in this program's own row of
+            # the partial buffer. The right edge bucket (d ≥ R) takes a masked sum of the tile
+            # when the tile reaches it (the largest visible d is ``diag`` when causal); the
+            # interior diagonals (|d| < R) the tile crosses are read out skewed, DIAG_CHUNK at a
+            # time: column c of ``ds_MK`` is diagonal d0 + c of the tile, one row per query, so
+            # a column sum is that diagonal's sum. Bucket 0 is finished on the host.
+            offset = block_start - q_start  # d = offset + (key col − query row) in the tile
+            right_edge = tl.maximum(radius, 1)
+            d_top = offset + BLOCK_N - 1
+            if CAUSAL:
+                d_top = tl.minimum(d_top, diag)
+            if d_top >= right_edge:
                 rel_MN = cols_N[None, :] - rows_M[:, None]
+                right = tl.sum(tl.sum(tl.where(rel_MN >= right_edge, ds_MN, 0.0), 1), 0)
+                tl.atomic_add(dbias_row_R2 + 2 * radius, right, sem="relaxed")
+            d_min = tl.maximum(offset - (BLOCK_M - 1), 1 - radius)
+            d_max = tl.minimum(d_top, radius - 1)
+            tile_rows_M = tl.arange(0, BLOCK_M)
+            for d0 in range(d_min, d_max + 1, DIAG_CHUNK):
+                diag_K = d0 + tl.arange(0, DIAG_CHUNK)
+                col_MK = diag_K[None, :] - offset + tile_rows_M[:, None]
+                take_MK = (col_MK >= 0) & (col_MK < BLOCK_N)  # diagonals past d_max: not stored
+                ds_MK = tl.gather(ds_MN, tl.where(take_MK, col_MK, 0), axis=1)
+                sums_K = tl.where(diag_K <= d_max, tl.sum(tl.where(take_MK, ds_MK, 0.0), 0), 0.0)
                 tl.atomic_add(
-                    dbias_row_R2,
-                    tl.sum(tl.sum(tl.where(rel_MN <= -radius, ds_MN, 0.0), 1), 0),
-                    sem="relaxed",
+                    dbias_row_R2 + radius + diag_K, sums_K, mask=diag_K <= d_max, sem="relaxed"
                 )
-                tl.atomic_add(
-                    dbias_row_R2 + 2 * radius,
-                    tl.sum(tl.sum(tl.where(rel_MN >= tl.maximum(radius, 1), ds_MN, 0.0), 1), 0),
-                    sem="relaxed",
-                )
-                d_min = tl.maximum(offset - (BLOCK_M - 1), 1 - radius)
-                d_max = tl.minimum(offset + BLOCK_N - 1, radius - 1)
-                tile_rows_M = tl.arange(0, BLOCK_M)
-                for d0 in range(d_min, d_max + 1, DIAG_CHUNK):
-                    diag_K = d0 + tl.arange(0, DIAG_CHUNK)
-                    col_MK = diag_K[None, :] - offset + tile_rows_M[:, None]
-                    take_MK = (col_MK >= 0) & (col_MK < BLOCK_N)  # diagonals past d_max: not stored
-                    ds_MK = tl.gather(ds_MN, tl.where(take_MK, col_MK, 0), axis=1)
-                    tl.atomic_add(
-                        dbias_row_R2 + radius + diag_K,
-                        tl.sum(tl.where(take_MK, ds_MK, 0.0), 0),
-                        mask=diag_K <= d_max,
-                        sem="relaxed",
-                    )
-    return dq_MH, far_dbias
+    return dq_MH
 
 
 @jit
@@ -634,27 +631,24 @@ def _jfa_dq_kernel(
     far_bias = 0.0
     if HAS_BIAS:
         far_bias = far_bias_log2(bias_head)
-    far_dbias = tl.sum(tl.zeros([1], tl.float32), 0)
-    dq_MH, far_dbias = _dq_key_blocks(
-        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
+    dq_MH = _dq_key_blocks(
+        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
         far_bias, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
         0, far_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
         HAS_BIAS, True, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
-    dq_MH, far_dbias = _dq_key_blocks(
-        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
+    dq_MH = _dq_key_blocks(
+        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
         far_bias, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
         far_stop, full_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
-    dq_MH, far_dbias = _dq_key_blocks(
-        dq_MH, far_dbias, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
+    dq_MH = _dq_key_blocks(
+        dq_MH, q_MH, do_MH, lse_M, delta_M, k_head, v_head, bias_head,
         far_bias, bias_o_lo, bias_offsets, dbias_row_R2, rows_M, q_start, k_len, diag,
         full_stop, k_stop, qk_scale_log2, radius, stride_kv, HEAD_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DIAG_CHUNK, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
-    if HAS_BIAS:
-        tl.atomic_add(dbias_row_R2, far_dbias, sem="relaxed")
     tl.store(
         dq_TqNH + q_offsets_MH, (dq_MH * scale).to(dq_TqNH.dtype.element_ty), mask=row_ok_M[:, None]
     )
@@ -845,5 +839,9 @@ def backward_dq(
     )  # fmt: skip
     dbias = None
     if rel_bias is not None:
-        dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0).to(rel_bias.dtype)
+        dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0)
+        # Every row of dS sums to zero, so all of dS does: bucket 0 (j − i ≤ −R), which the
+        # kernel never sums, is minus the other buckets.
+        dbias[:, :1] = -dbias[:, 1:].sum(1, keepdim=True)
+        dbias = dbias.to(rel_bias.dtype)
     return dq, dbias, delta
