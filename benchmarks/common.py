@@ -9,6 +9,7 @@ script), measures the project and its anchors in one run, prints one table and, 
 import json
 import math
 import os
+import socket
 import statistics
 import time
 
@@ -115,3 +116,10 @@ def environment() -> str:
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return f"{dev}, torch {torch.__version__}, triton {triton.__version__}"
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for the rendezvous of processes a benchmark spawns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

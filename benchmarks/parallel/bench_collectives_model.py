@@ -17,8 +17,8 @@ What one GPU allows (the default run, ``python3 benchmarks/parallel/bench_collec
 
 What needs several GPUs, and is therefore NOT measured by a one-GPU run: every collective with
 ``n >= 2`` ranks on NVLink, RoCE or across zones, so the goal "each collective within 15% of the
-cost model" is unmeasured there. Launched with torchrun on several GPUs
-(``torchrun --nproc-per-node 8 benchmarks/parallel/bench_collectives_model.py``), the script
+cost model" is unmeasured there. On a host with several GPUs the script, launched plainly, runs
+one process per GPU (or run it under ``torchrun --nproc-per-node N``), and
 measures the four collectives over all ranks at 1 MiB to 1 GiB and prints measured over modelled
 (flat algorithm, default NVLink constants of ``Topology``) for each.
 
@@ -221,37 +221,58 @@ def overlap_table(device, *, gemm_n: int, sm_bytes: int, dma_bytes: int) -> None
     )
 
 
+def run(device: torch.device) -> None:
+    """The three tables, on a process group already joined (rank 0 prints the one-GPU parts)."""
+    cuda = device.type == "cuda"
+    print(common.environment() if cuda else f"cpu smoke run, torch {torch.__version__}")
+    if dist.get_rank() == 0:
+        copy_sizes = [2**k for k in (range(12, 31, 2) if cuda else range(10, 17, 3))]
+        copy_table(device, copy_sizes)
+    coll_sizes = [2**k for k in (range(20, 31, 2) if cuda else (12, 16))]
+    collectives_table(device, coll_sizes)
+    if dist.get_rank() == 0:
+        if cuda:
+            overlap_table(device, gemm_n=8192, sm_bytes=2**30, dma_bytes=2**26)
+        else:
+            overlap_table(device, gemm_n=64, sm_bytes=2**14, dma_bytes=2**12)
+
+
+def _worker(rank: int, world: int, port: int | None, cuda: bool, local_rank: int | None = None):
+    """One rank: spawned by ``main`` (rendezvous on ``port`` of this host) or under torchrun
+    (``port`` None: the rendezvous torchrun set in the environment)."""
+    device = torch.device("cuda", rank if local_rank is None else local_rank)
+    if not cuda:
+        device = torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world
+    )
+    try:
+        run(device)
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
+    """Under torchrun: this process is one rank. Launched plainly on a host with several GPUs: one
+    process per GPU (at most 8), spawned here. Otherwise one rank."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with gloo")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-    )
-    try:
-        print(common.environment() if cuda else f"cpu smoke run, torch {torch.__version__}")
-        if dist.get_rank() == 0:
-            copy_sizes = [2**k for k in (range(12, 31, 2) if cuda else range(10, 17, 3))]
-            copy_table(device, copy_sizes)
-        coll_sizes = [2**k for k in (range(20, 31, 2) if cuda else (12, 16))]
-        collectives_table(device, coll_sizes)
-        if dist.get_rank() == 0:
-            if cuda:
-                overlap_table(device, gemm_n=8192, sm_bytes=2**30, dma_bytes=2**26)
-            else:
-                overlap_table(device, gemm_n=64, sm_bytes=2**14, dma_bytes=2**12)
-    finally:
-        dist.destroy_process_group()
+    if "RANK" in os.environ:  # torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _worker(rank, world, None, cuda, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        return
+    gpus = min(torch.cuda.device_count(), 8) if cuda else 1
+    if gpus >= 2:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_worker, args=(gpus, common.free_port(), cuda), nprocs=gpus)
+    else:
+        _worker(0, 1, common.free_port(), cuda)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Usage: ``python benchmarks/parallel/bench_copy_engine_overlap.py [--smoke]``.
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -148,7 +147,7 @@ def single_gpu() -> None:
         rows,
     )
 
-    port = _free_port()
+    port = common.free_port()
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device
     )
@@ -168,12 +167,6 @@ def single_gpu() -> None:
         "\nMulti-GPU measurement (GEMM beside a real all-gather, crossover) needs >= 2 GPUs: blocked."
     )
     common.record("copy_engine_overlap_1gpu", **headline, multi_gpu="blocked: 1 GPU")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _multi_gpu_worker(rank: int, world: int, port: int) -> None:
@@ -246,7 +239,7 @@ def smoke() -> None:
     from gem_parallel import collectives
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0, world_size=1
     )
     gemm = _gemm(64, torch.device("cpu"))
     gemm_ms = common.bench_ms(gemm)
@@ -276,7 +269,7 @@ def main() -> None:
     if gpus >= 2:
         import torch.multiprocessing as mp
 
-        mp.spawn(_multi_gpu_worker, args=(gpus, _free_port()), nprocs=gpus)
+        mp.spawn(_multi_gpu_worker, args=(gpus, common.free_port()), nprocs=gpus)
     else:
         single_gpu()
 

@@ -18,7 +18,6 @@ Usage: ``python benchmarks/parallel/bench_embeddings_memory.py [--smoke]``.
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -151,12 +150,6 @@ def _worker(rank: int, world: int, port: int, device_type: str, shape) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     import torch.multiprocessing as mp
 
@@ -165,9 +158,9 @@ def main() -> None:
     args = parser.parse_args()
     gpus = min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 0
     if args.smoke or gpus == 0:
-        mp.spawn(_worker, args=(2, _free_port(), "cpu", SMOKE_SHAPE), nprocs=2)
+        mp.spawn(_worker, args=(2, common.free_port(), "cpu", SMOKE_SHAPE), nprocs=2)
     elif gpus >= 2:
-        mp.spawn(_worker, args=(gpus, _free_port(), "cuda", GPU_SHAPE), nprocs=gpus)
+        mp.spawn(_worker, args=(gpus, common.free_port(), "cuda", GPU_SHAPE), nprocs=gpus)
     else:
         print("Embedding memory of 2D vs fully sharded 2D needs >= 2 GPUs (replicas): blocked.")
         common.record("embeddings_memory", result="blocked: 1 GPU")
