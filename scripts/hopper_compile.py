@@ -171,10 +171,11 @@ def _jfa(q, k, v, offsets, *, rel_bias: bool):
     return jagged_flash_attention(q, k, v, offsets, causal=True, rel_bias=bias, backend="triton")
 
 
-def _gdpa(q, k, v, offsets):
+def _gdpa(q, k, v, offsets, *, rel_bias: bool):
     from gem_jagged import gdpa
 
-    return gdpa(q, k, v, offsets, activation="silu", causal=True, backend="triton")
+    bias = torch.randn(4, 65, requires_grad=True) if rel_bias else None
+    return gdpa(q, k, v, offsets, activation="silu", causal=True, rel_bias=bias, backend="triton")
 
 
 def _block_attention(q, k, v, offsets):
@@ -223,7 +224,8 @@ def _lowprec():
 OPS = {
     "jfa": _attention(functools.partial(_jfa, rel_bias=False)),
     "jfa_bias": _attention(functools.partial(_jfa, rel_bias=True)),
-    "gdpa": _attention(_gdpa),
+    "gdpa": _attention(functools.partial(_gdpa, rel_bias=False)),
+    "gdpa_bias": _attention(functools.partial(_gdpa, rel_bias=True)),
     "block_attention": _attention(_block_attention),
     "swiglu": _swiglu(),
     "lowprec": _lowprec(),

@@ -22,8 +22,11 @@ from hypothesis import strategies as st
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _case(lengths, *, mode, heads, head_dim, dtype, device, seed, bias, kv_len=None, seeds=3):
-    """Inputs of one case: (q, k, v, q_offsets, kv_offsets, rel_bias, grad_out)."""
+def _case(
+    lengths, *, mode, heads, head_dim, dtype, device, seed, bias, kv_len=None, seeds=3, radius=4
+):
+    """Inputs of one case: (q, k, v, q_offsets, kv_offsets, rel_bias [heads, 2·radius+1],
+    grad_out)."""
     gen = torch.Generator().manual_seed(seed)
     if mode == "cross":
         kv_lengths = [kv_len if kv_len is not None else (n * 7 + 3) % 23 for n in lengths]
@@ -37,7 +40,7 @@ def _case(lengths, *, mode, heads, head_dim, dtype, device, seed, bias, kv_len=N
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
 
     q, k, v = rand(tq, heads, head_dim), rand(tk, heads, head_dim), rand(tk, heads, head_dim)
-    rel_bias = rand(heads, 9) * 0.5 if bias else None
+    rel_bias = rand(heads, 2 * radius + 1) * 0.5 if bias else None
     q_off = None if mode == "pma" else offsets_from_lengths(lengths, device=device)
     kv_off = None if mode == "self" else offsets_from_lengths(kv_lengths, device=device)
     grad_out = rand(out_rows, heads, head_dim)
@@ -87,22 +90,45 @@ def _check_against_fp64(case, *, dtype, options):
     activation=st.sampled_from(ACTIVATIONS),
     causal=st.booleans(),
     bias=st.booleans(),
+    radius=st.sampled_from([0, 1, 4, 20]),  # 20: band tiles need two skewed reads of dS
     dtype=st.sampled_from([torch.float16, torch.float32]),
     offsets_dtype=st.sampled_from([torch.int32, torch.int64]),
     head_dim=st.sampled_from([32, 64]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_triton_forward_and_gradients_match_fp64(
-    lengths, mode, activation, causal, bias, dtype, offsets_dtype, head_dim, seed
+    lengths, mode, activation, causal, bias, radius, dtype, offsets_dtype, head_dim, seed
 ):
     q, k, v, q_off, kv_off, rel_bias, grad_out = _case(
         lengths, mode=mode, heads=2, head_dim=head_dim, dtype=dtype, device="cpu", seed=seed,
-        bias=bias,
+        bias=bias, radius=radius,
     )  # fmt: skip
     q_off = None if q_off is None else q_off.to(offsets_dtype)
     kv_off = None if kv_off is None else kv_off.to(offsets_dtype)
     options = dict(activation=activation, causal=causal, broadcast_q=mode == "pma", out_scale=0.5)
     _check_against_fp64((q, k, v, q_off, kv_off, rel_bias, grad_out), dtype=dtype, options=options)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "mode", "causal"),
+    [([300, 129, 1, 0, 200], "self", True), ([150, 9, 0, 70], "cross", False)],
+)
+def test_gpu_tile_shapes_with_a_wide_bias_under_the_interpreter(monkeypatch, lengths, mode, causal):
+    """The GPU tiles of head dim 64 (128 × 64 forward and dQ, 64 × 64 dK/dV) on the CPU with
+    R = 40: band tiles reach both clamped edges and need two skewed reads of dS for their
+    interior diagonals, as on the GPU."""
+    from gem_jagged.ops.gdpa import triton as gdpa_triton
+
+    gpu_tiles = gdpa_triton.GdpaTiles(
+        fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64
+    )  # default_tiles' bf16 choice for head dim 64
+    monkeypatch.setattr(gdpa_triton, "default_tiles", lambda *args: gpu_tiles)
+    case = _case(
+        lengths, mode=mode, heads=2, head_dim=64, dtype=torch.float32, device="cpu", seed=5,
+        bias=True, radius=40, kv_len=100,
+    )  # fmt: skip
+    options = dict(activation="silu", causal=causal, broadcast_q=False, out_scale=0.5)
+    _check_against_fp64(case, dtype=torch.float32, options=options)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -25,7 +25,8 @@ synchronisation; programs past the real tile count exit at once):
 - cross-attention and PMA by default: one program per (sequence, head, part), no work list
   (``triton_per_sequence.py``, built from the tile functions of this file).
 - relative bias gradient: each program reduces its buckets into a private row of a partial
-  buffer ``[W, N, NB]``; one ``sum`` over ``W`` finishes it (deterministic, no atomics).
+  buffer ``[W, N, NB]``; one ``sum`` over ``W`` finishes it (deterministic, no atomics). A tile
+  reduces its interior diagonals from skewed reads of dS (``_accumulate_bias_grad``).
 """
 
 from dataclasses import dataclass
@@ -132,17 +133,45 @@ def _bias_buckets(offs_m, offs_n, RADIUS):
 
 
 @jit
-def _accumulate_bias_grad(acc_NB, ds, bucket, NB_POW2: tl.constexpr):
-    """Add the sum of ``ds`` over each bucket into ``acc_NB`` (one pass per bucket the tile touches).
+def _accumulate_bias_grad(acc_NB, ds_RC, e0, RADIUS, NB_POW2: tl.constexpr, SIGN: tl.constexpr):
+    """Add ``ds`` summed by relative-bias bucket into ``acc_NB``. The pair at tile row r, column
+    c has ``j − i = e0 + SIGN·(c − r)`` (``SIGN`` +1: queries on rows; −1: keys on rows) and
+    bucket ``clamp(j − i, −R, R) + R``.
 
-    Tiles away from the diagonal band fall into one clamped bucket and cost a single reduction.
+    The two clamped edges take one masked sum of the tile each where the tile reaches them (a
+    tile off the band is all one edge). The interior diagonals ``|j − i| < R`` the tile crosses
+    are read out skewed, one ``tl.gather`` per tile width of diagonals: column k of the gathered
+    tile is diagonal d0 + k, one row per tile row, so a column sum is that diagonal's sum. (One
+    masked pass per bucket instead cost up to 2R + 1 full-tile reductions per band tile.)
     """
-    lo = tl.min(tl.min(bucket, axis=1), axis=0)
-    hi = tl.max(tl.max(bucket, axis=1), axis=0)
-    idx = tl.arange(0, NB_POW2)
-    for b in range(lo, hi + 1):
-        total = tl.sum(tl.sum(tl.where(bucket == b, ds, 0.0), axis=1), axis=0)
-        acc_NB = tl.where(idx == b, acc_NB + total, acc_NB)
+    ROWS: tl.constexpr = ds_RC.shape[0]
+    COLS: tl.constexpr = ds_RC.shape[1]
+    rows_R = tl.arange(0, ROWS)
+    cols_C = tl.arange(0, COLS)
+    idx_B = tl.arange(0, NB_POW2)
+    if SIGN > 0:
+        lo, hi = e0 - (ROWS - 1), e0 + (COLS - 1)
+    else:
+        lo, hi = e0 - (COLS - 1), e0 + (ROWS - 1)
+    right_edge = tl.maximum(RADIUS, 1)  # R = 0: one bucket, both edges land in it
+    if lo <= -RADIUS:
+        rel_RC = e0 + SIGN * (cols_C[None, :] - rows_R[:, None])
+        left = tl.sum(tl.sum(tl.where(rel_RC <= -RADIUS, ds_RC, 0.0), 1), 0)
+        acc_NB = tl.where(idx_B == 0, acc_NB + left, acc_NB)
+    if hi >= right_edge:
+        rel_RC = e0 + SIGN * (cols_C[None, :] - rows_R[:, None])
+        right = tl.sum(tl.sum(tl.where(rel_RC >= right_edge, ds_RC, 0.0), 1), 0)
+        acc_NB = tl.where(idx_B == 2 * RADIUS, acc_NB + right, acc_NB)
+    d_min = tl.maximum(lo, 1 - RADIUS)
+    d_max = tl.minimum(hi, RADIUS - 1)
+    for d0 in range(d_min, d_max + 1, COLS):
+        diag_K = d0 + tl.arange(0, COLS)
+        col_RK = rows_R[:, None] + SIGN * (diag_K[None, :] - e0)  # where diagonal d meets row r
+        take_RK = (col_RK >= 0) & (col_RK < COLS)
+        ds_RK = tl.gather(ds_RC, tl.where(take_RK, col_RK, 0), axis=1)
+        sums_K = tl.sum(tl.where(take_RK, ds_RK, 0.0), 0)
+        hit_BK = (idx_B[:, None] == (diag_K + RADIUS)[None, :]) & (diag_K <= d_max)[None, :]
+        acc_NB += tl.sum(tl.where(hit_BK, sums_K[None, :], 0.0), 1)
     return acc_NB
 
 
@@ -307,14 +336,18 @@ def _dkdv_tile(
         dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqt + head_col[None, :]
         tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
         if HAS_BIAS:
-            dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
+            dbias_NB = _accumulate_bias_grad(
+                dbias_NB, dsT_NM, tl.min(offs_n, 0) - q_start, RADIUS, NB_POW2, -1
+            )
     elif FUSED_DQ:
         if dq_here:
             dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
             dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
             tl.store(dq_ptrs, dq_MH.to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
             if HAS_BIAS:
-                dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, bucketT_NM, NB_POW2)
+                dbias_NB = _accumulate_bias_grad(
+                    dbias_NB, dsT_NM, tl.min(offs_n, 0) - q_start, RADIUS, NB_POW2, -1
+                )
     return dk_NH, dv_NH, dbias_NB
 
 
@@ -407,7 +440,9 @@ def _dq_tile(
         ds_MN = tl.where(_causal(offs_m, offs_n, diag), ds_MN, 0.0)
     dq_MH += _mm(ds_MN.to(k_NH.dtype), k_NH, IEEE)
     if HAS_BIAS:
-        dbias_NB = _accumulate_bias_grad(dbias_NB, ds_MN, bucket_MN, NB_POW2)
+        dbias_NB = _accumulate_bias_grad(
+            dbias_NB, ds_MN, start_n - tl.min(offs_m, 0), RADIUS, NB_POW2, 1
+        )
     return dq_MH, dbias_NB
 
 
