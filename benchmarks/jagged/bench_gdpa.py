@@ -54,7 +54,7 @@ def workloads(smoke: bool) -> list[Workload]:
     ]
 
 
-def project_fn(w, device, tiles=None):
+def project_fn(w, device, tiles=None, rel_bias_radius=None, heads=HEADS):
     q_off = None if w.pma else common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
     kv_arg = None if w.name == "J1" else kv_off  # J1 is self-attention
@@ -84,8 +84,17 @@ def project_fn(w, device, tiles=None):
         )  # fmt: skip
         return Op.apply
 
+    rel_bias = None
+    if rel_bias_radius is not None:  # a learned relative bias; its gradient joins the backward
+        gen = torch.Generator().manual_seed(0)
+        rel_bias = torch.randn(heads, 2 * rel_bias_radius + 1, generator=gen) * 0.1
+        rel_bias = rel_bias.to(device).requires_grad_()
+
     def fn(q, k, v):
-        return gdpa(q, k, v, q_off, kv_arg, causal=w.causal, broadcast_q=w.pma, backend="triton")
+        return gdpa(
+            q, k, v, q_off, kv_arg, causal=w.causal, broadcast_q=w.pma, rel_bias=rel_bias,
+            backend="triton",
+        )  # fmt: skip
 
     return fn
 
@@ -205,10 +214,13 @@ def measure_each(fns, workload, label, backward, bench, anchor_bench) -> dict[st
     return ms
 
 
-def run(smoke: bool, do_sweep: bool, quick: bool, only: tuple[str, ...] = ()) -> None:
+def run(
+    smoke: bool, do_sweep: bool, quick: bool, only: tuple[str, ...] = (), rel_bias_radius=None
+) -> None:
     device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
     bench, anchor_bench = ab.benches(smoke, quick=quick)
-    print(f"# GDPA (SiLU), {common.environment()}, {dtype}, N={heads}, D={head_dim}")
+    bias_note = "" if rel_bias_radius is None else f", gdpa with rel_bias R={rel_bias_radius}"
+    print(f"# GDPA (SiLU), {common.environment()}, {dtype}, N={heads}, D={head_dim}{bias_note}")
     rows, headline = [], {}
     for w in workloads(smoke):
         if only and w.name not in only:
@@ -217,7 +229,10 @@ def run(smoke: bool, do_sweep: bool, quick: bool, only: tuple[str, ...] = ()) ->
         pq, pk, pv, pdo, key_mask = padded_inputs(w, q, k, v, do, device)
         padded_sdpa = ab.padded_sdpa_fn(causal=w.causal, key_mask=key_mask)
         fns = {
-            "gdpa": (project_fn(w, device), (q, k, v, do)),
+            "gdpa": (
+                project_fn(w, device, rel_bias_radius=rel_bias_radius, heads=heads),
+                (q, k, v, do),
+            ),
             "padded SDPA": (padded_sdpa, (pq, pk, pv, pdo)),
         }
         if not quick or w.name == "J1":
@@ -271,5 +286,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", nargs="+", choices=("J1", "J3", "J4"), default=(), help="workloads to run"
     )
+    parser.add_argument(
+        "--rel-bias", type=int, default=None, metavar="R",
+        help="give the project's call a learned relative bias of radius R (anchors have none)",
+    )  # fmt: skip
     args = parser.parse_args()
-    run(args.smoke, args.sweep, args.quick, tuple(args.only))
+    run(args.smoke, args.sweep, args.quick, tuple(args.only), args.rel_bias)

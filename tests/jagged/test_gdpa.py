@@ -311,10 +311,11 @@ def test_bad_inputs_raise_clear_errors(case):
 
 
 def test_benchmark_smoke_quick_runs_and_records_the_headline(tmp_path):
+    """``--smoke --quick``, with the project's call learning a relative bias (``--rel-bias``)."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "jagged" / "bench_gdpa.py"
     results = tmp_path / "results.jsonl"
     result = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--quick"],
+        [sys.executable, str(script), "--smoke", "--quick", "--rel-bias", "3"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "GEMKIT_RESULTS": str(results)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
