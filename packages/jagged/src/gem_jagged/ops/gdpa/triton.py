@@ -127,9 +127,26 @@ def _activation(s, ACT: tl.constexpr):
 
 
 @jit
-def _bias_buckets(offs_m, offs_n, RADIUS):
-    rel = offs_n[None, :] - offs_m[:, None]
-    return tl.minimum(tl.maximum(rel, -RADIUS), RADIUS) + RADIUS
+def _add_relative_bias(s_RC, bias_head_ptr, e0, RADIUS, SIGN: tl.constexpr):
+    """``s + bias[clamp(j − i, −R, R) + R]`` for a tile whose pair at row r, column c has
+    ``j − i = e0 + SIGN·(c − r)`` (``SIGN`` +1: queries on rows; −1: keys on rows). A tile wholly
+    on one side of the band (every pair in one clamped bucket, most tiles of a long sequence)
+    adds one scalar; a tile crossing the band gathers a bucket per score."""
+    ROWS: tl.constexpr = s_RC.shape[0]
+    COLS: tl.constexpr = s_RC.shape[1]
+    if SIGN > 0:
+        lo, hi = e0 - (ROWS - 1), e0 + (COLS - 1)
+    else:
+        lo, hi = e0 - (COLS - 1), e0 + (ROWS - 1)
+    if hi <= -RADIUS:
+        s_RC += tl.load(bias_head_ptr).to(tl.float32)
+    elif lo >= RADIUS:
+        s_RC += tl.load(bias_head_ptr + 2 * RADIUS).to(tl.float32)
+    else:
+        rel_RC = e0 + SIGN * (tl.arange(0, COLS)[None, :] - tl.arange(0, ROWS)[:, None])
+        bucket_RC = tl.minimum(tl.maximum(rel_RC, -RADIUS), RADIUS) + RADIUS
+        s_RC += tl.load(bias_head_ptr + bucket_RC).to(tl.float32)
+    return s_RC
 
 
 @jit
@@ -234,8 +251,8 @@ def _fwd_tile(
     v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
     s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
     if HAS_BIAS:
-        bucket = _bias_buckets(offs_m, offs_n, RADIUS)
-        s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket).to(tl.float32)
+        bias_head = rel_bias_ptr + head * (2 * RADIUS + 1)
+        s_MN = _add_relative_bias(s_MN, bias_head, start_n - tl.min(offs_m, 0), RADIUS, 1)
     p_MN = _activation(s_MN, ACT)
     if MASK:
         p_MN = tl.where(_causal(offs_m, offs_n, diag), p_MN, 0.0)
@@ -319,9 +336,8 @@ def _dkdv_tile(
     do_MH = _load_rows(do_ptr, out_begin, offs_m, q_len, stride_dot, head_col)
     sT_NM = _mm(k_NH, tl.trans(q_MH), IEEE) * scale
     if HAS_BIAS:
-        relT_NM = offs_n[:, None] - offs_m[None, :]
-        bucketT_NM = tl.minimum(tl.maximum(relT_NM, -RADIUS), RADIUS) + RADIUS
-        sT_NM += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucketT_NM).to(tl.float32)
+        bias_head = rel_bias_ptr + head * (2 * RADIUS + 1)
+        sT_NM = _add_relative_bias(sT_NM, bias_head, tl.min(offs_n, 0) - q_start, RADIUS, -1)
     pT_NM, slopeT_NM = _activation_and_slope(sT_NM, ACT)
     dpT_NM = _mm(v_NH, tl.trans(do_MH), IEEE)
     dsT_NM = dpT_NM * slopeT_NM * out_scale
@@ -431,8 +447,8 @@ def _dq_tile(
     v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
     s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
     if HAS_BIAS:
-        bucket_MN = _bias_buckets(offs_m, offs_n, RADIUS)
-        s_MN += tl.load(rel_bias_ptr + head * (2 * RADIUS + 1) + bucket_MN).to(tl.float32)
+        bias_head = rel_bias_ptr + head * (2 * RADIUS + 1)
+        s_MN = _add_relative_bias(s_MN, bias_head, start_n - tl.min(offs_m, 0), RADIUS, 1)
     slope_MN = _activation_and_slope(s_MN, ACT)[1]
     dp_MN = _mm(do_MH, tl.trans(v_NH), IEEE)
     ds_MN = dp_MN * slope_MN * out_scale
