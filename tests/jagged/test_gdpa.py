@@ -346,9 +346,10 @@ GPU_CASES = [  # (dtype, head dim, mode, activation, causal, bias): every axis c
 @pytest.mark.parametrize("dtype, head_dim, mode, activation, causal, bias", GPU_CASES)
 def test_gpu_matches_fp64(dtype, head_dim, mode, activation, causal, bias):
     lengths = [0, 1, 127, 128, 129, 300, 1000, 5]
+    # R = 32: tiles off the bias band, on it, and band tiles needing two skewed reads of dS
     case = _case(
         lengths, mode=mode, heads=2, head_dim=head_dim, dtype=dtype, device="cuda", seed=1,
-        bias=bias, kv_len=64 if mode == "cross" else None, seeds=32,
+        bias=bias, kv_len=64 if mode == "cross" else None, seeds=32, radius=32,
     )  # fmt: skip
     options = dict(activation=activation, causal=causal, broadcast_q=mode == "pma")
     _check_against_fp64(case, dtype=dtype, options=options)
