@@ -127,6 +127,14 @@ def _activation(s, ACT: tl.constexpr):
 
 
 @jit
+def _relative_range(e0, ROWS: tl.constexpr, COLS: tl.constexpr, SIGN: tl.constexpr):
+    """Smallest and largest ``j − i`` of a tile whose pair at (r, c) has ``e0 + SIGN·(c − r)``."""
+    if SIGN > 0:
+        return e0 - (ROWS - 1), e0 + (COLS - 1)
+    return e0 - (COLS - 1), e0 + (ROWS - 1)
+
+
+@jit
 def _add_relative_bias(s_RC, bias_head_ptr, e0, RADIUS, SIGN: tl.constexpr):
     """``s + bias[clamp(j − i, −R, R) + R]`` for a tile whose pair at row r, column c has
     ``j − i = e0 + SIGN·(c − r)`` (``SIGN`` +1: queries on rows; −1: keys on rows). A tile wholly
@@ -134,10 +142,7 @@ def _add_relative_bias(s_RC, bias_head_ptr, e0, RADIUS, SIGN: tl.constexpr):
     adds one scalar; a tile crossing the band gathers a bucket per score."""
     ROWS: tl.constexpr = s_RC.shape[0]
     COLS: tl.constexpr = s_RC.shape[1]
-    if SIGN > 0:
-        lo, hi = e0 - (ROWS - 1), e0 + (COLS - 1)
-    else:
-        lo, hi = e0 - (COLS - 1), e0 + (ROWS - 1)
+    lo, hi = _relative_range(e0, ROWS, COLS, SIGN)
     if hi <= -RADIUS:
         s_RC += tl.load(bias_head_ptr).to(tl.float32)
     elif lo >= RADIUS:
@@ -166,10 +171,7 @@ def _accumulate_bias_grad(acc_NB, ds_RC, e0, RADIUS, NB_POW2: tl.constexpr, SIGN
     rows_R = tl.arange(0, ROWS)
     cols_C = tl.arange(0, COLS)
     idx_B = tl.arange(0, NB_POW2)
-    if SIGN > 0:
-        lo, hi = e0 - (ROWS - 1), e0 + (COLS - 1)
-    else:
-        lo, hi = e0 - (COLS - 1), e0 + (ROWS - 1)
+    lo, hi = _relative_range(e0, ROWS, COLS, SIGN)
     right_edge = tl.maximum(RADIUS, 1)  # R = 0: one bucket, both edges land in it
     if lo <= -RADIUS:
         rel_RC = e0 + SIGN * (cols_C[None, :] - rows_R[:, None])
@@ -336,8 +338,9 @@ def _dkdv_tile(
     do_MH = _load_rows(do_ptr, out_begin, offs_m, q_len, stride_dot, head_col)
     sT_NM = _mm(k_NH, tl.trans(q_MH), IEEE) * scale
     if HAS_BIAS:
+        e0 = tl.min(offs_n, 0) - q_start  # j − i of the tile's first key and first query
         bias_head = rel_bias_ptr + head * (2 * RADIUS + 1)
-        sT_NM = _add_relative_bias(sT_NM, bias_head, tl.min(offs_n, 0) - q_start, RADIUS, -1)
+        sT_NM = _add_relative_bias(sT_NM, bias_head, e0, RADIUS, -1)
     pT_NM, slopeT_NM = _activation_and_slope(sT_NM, ACT)
     dpT_NM = _mm(v_NH, tl.trans(do_MH), IEEE)
     dsT_NM = dpT_NM * slopeT_NM * out_scale
@@ -352,18 +355,14 @@ def _dkdv_tile(
         dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqt + head_col[None, :]
         tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
         if HAS_BIAS:
-            dbias_NB = _accumulate_bias_grad(
-                dbias_NB, dsT_NM, tl.min(offs_n, 0) - q_start, RADIUS, NB_POW2, -1
-            )
+            dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, e0, RADIUS, NB_POW2, -1)
     elif FUSED_DQ:
         if dq_here:
             dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
             dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
             tl.store(dq_ptrs, dq_MH.to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
             if HAS_BIAS:
-                dbias_NB = _accumulate_bias_grad(
-                    dbias_NB, dsT_NM, tl.min(offs_n, 0) - q_start, RADIUS, NB_POW2, -1
-                )
+                dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, e0, RADIUS, NB_POW2, -1)
     return dk_NH, dv_NH, dbias_NB
 
 
@@ -447,8 +446,9 @@ def _dq_tile(
     v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
     s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
     if HAS_BIAS:
+        e0 = start_n - tl.min(offs_m, 0)  # j − i of the tile's first query and first key
         bias_head = rel_bias_ptr + head * (2 * RADIUS + 1)
-        s_MN = _add_relative_bias(s_MN, bias_head, start_n - tl.min(offs_m, 0), RADIUS, 1)
+        s_MN = _add_relative_bias(s_MN, bias_head, e0, RADIUS, 1)
     slope_MN = _activation_and_slope(s_MN, ACT)[1]
     dp_MN = _mm(do_MH, tl.trans(v_NH), IEEE)
     ds_MN = dp_MN * slope_MN * out_scale
@@ -456,9 +456,7 @@ def _dq_tile(
         ds_MN = tl.where(_causal(offs_m, offs_n, diag), ds_MN, 0.0)
     dq_MH += _mm(ds_MN.to(k_NH.dtype), k_NH, IEEE)
     if HAS_BIAS:
-        dbias_NB = _accumulate_bias_grad(
-            dbias_NB, ds_MN, start_n - tl.min(offs_m, 0), RADIUS, NB_POW2, 1
-        )
+        dbias_NB = _accumulate_bias_grad(dbias_NB, ds_MN, e0, RADIUS, NB_POW2, 1)
     return dq_MH, dbias_NB
 
 
