@@ -115,7 +115,9 @@ def run_variant(flags: dict, *, steps: int, warmup: int, smoke: bool, local: boo
     # one spare step: the run's last step closes the reporter's window (a sync by design),
     # which must not be counted as a step's syncs
     extra = sync_steps + (1 if profile else 0) + 1
-    cfg = config_of(flags, steps=warmup + 2 * MAX_EXTRA_WARMUP + steps + extra, smoke=smoke)
+    # warm-up (at most MAX_EXTRA_WARMUP extra), then a timed window that may restart as often
+    most_timed = (MAX_EXTRA_WARMUP + 1) * steps
+    cfg = config_of(flags, steps=warmup + MAX_EXTRA_WARMUP + most_timed + extra, smoke=smoke)
     t_build = time.perf_counter()
     run = build_run(cfg)
     build_s = time.perf_counter() - t_build
