@@ -10,7 +10,10 @@
 # inside as on a command line: "benchmarks/gem_train/bench_gem_small.py --only 'all on'".
 # Environment: GEMKIT_SKIP_TESTS=1 skips the tests; GEMKIT_TEST_PATHS (default: tests);
 # GEMKIT_TEST_MARK (default: gpu; on a host with several GPUs "gpu or multigpu" adds the
-# multi-GPU tests);
+# multi-GPU tests); GEMKIT_TEST_WORKERS (default 6 where pytest-xdist is installed and the mark
+# leaves out multigpu, else 0: the tests spend most of their time compiling Triton kernels on the
+# host, which workers share out; 86 GPU tests took 116 s with 6 on an H200 host, about 4.5
+# minutes with none);
 # GEMKIT_TEST_TIMEOUT / GEMKIT_BENCH_TIMEOUT bound each step in seconds; GEMKIT_LOG_DIR keeps
 # gpu_check.log (everything printed) and results.jsonl (the summary rows); PYTHON (default:
 # python3) is the interpreter.
@@ -78,8 +81,12 @@ bounded() { # bounded SECONDS CMD...: run CMD with a time limit when SECONDS is 
 
 status=0
 if [ -z "${GEMKIT_SKIP_TESTS:-}" ]; then
+  mark="${GEMKIT_TEST_MARK:-gpu}"
+  workers=0  # multi-GPU tests each take every GPU: one at a time
+  if [[ "$mark" != *multigpu* ]] && "$python" -c 'import xdist' 2>/dev/null; then workers=6; fi
+  workers="${GEMKIT_TEST_WORKERS:-$workers}"
   # shellcheck disable=SC2086
-  bounded "${GEMKIT_TEST_TIMEOUT:-}" "$python" -m pytest -q -m "${GEMKIT_TEST_MARK:-gpu}" -n 0 -p no:cacheprovider ${GEMKIT_TEST_PATHS:-tests} 2>&1 | tee -a "$log"
+  bounded "${GEMKIT_TEST_TIMEOUT:-}" "$python" -m pytest -q -m "$mark" -n "$workers" -p no:cacheprovider ${GEMKIT_TEST_PATHS:-tests} 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
   summary=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' "$log" | tail -n 1 | tr -d '=' | xargs)
