@@ -463,6 +463,7 @@ def report(results: dict, local_of: dict) -> None:
          "syncs/step", "vs native"],
         rows,
     )  # fmt: skip
+    print(plot({row[0]: (row[1], row[3]) for row in rows}, Path(os.environ.get("OUT", "."))))
     if "all on" in results:
         all_on, numerics = results["all on"]
         common.record(
@@ -471,6 +472,46 @@ def report(results: dict, local_of: dict) -> None:
         )  # fmt: skip
     if any(math.isnan(r["qps"]) for r, _ in results.values()):
         raise SystemExit(1)
+
+
+def plot(
+    by_variant: dict[str, tuple[float, float]],
+    folder: Path,
+    *,
+    title: str | None = None,
+    name: str = "a2_ablation.png",
+) -> str:
+    """``name`` in ``folder``: QPS (log scale when the rows span more than 10×) and E2E MFU per
+    variant of one run; ``title`` defaults to this machine's environment."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    measured = {n: v for n, v in by_variant.items() if not math.isnan(v[0])}
+    if not measured:
+        return "no variant finished: no plot"
+    names = list(measured)
+    fig, (ax_qps, ax_mfu) = plt.subplots(1, 2, figsize=(10, 0.45 * len(names) + 1.5), sharey=True)
+    qps = [measured[n][0] for n in names]
+    ax_qps.barh(names, qps, color="tab:blue")
+    log = max(qps) > 10 * min(qps)
+    if log:
+        ax_qps.set_xscale("log")
+    ax_qps.set_xlabel("samples / s" + (" (log)" if log else ""))
+    ax_mfu.barh(names, [measured[n][1] for n in names], color="tab:green")
+    ax_mfu.axvline(0.35, color="k", linestyle="--", linewidth=1, label="goal 0.35")
+    ax_mfu.set_xlabel("E2E MFU (datasheet BF16 peak)")
+    ax_mfu.legend(loc="lower right", fontsize=8)
+    ax_qps.invert_yaxis()
+    fig.suptitle(f"A2 gem-small, one run: {title or common.environment()}", fontsize=9)
+    fig.tight_layout()
+    path = folder / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
 
 
 if __name__ == "__main__":
