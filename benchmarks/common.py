@@ -6,6 +6,7 @@ script), measures the project and its anchors in one run, prints one table and, 
 ``scripts/gpu_check.sh`` can print one summary table at the end of a GPU run.
 """
 
+import argparse
 import json
 import math
 import os
@@ -123,3 +124,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def radius(text: str) -> int:
+    """argparse type of ``--rel-bias R``: a relative-bias radius, an integer ≥ 0."""
+    if not text.lstrip("-").isdigit() or int(text) < 0:
+        raise argparse.ArgumentTypeError(f"expected a radius R, an integer >= 0, got {text!r}")
+    return int(text)

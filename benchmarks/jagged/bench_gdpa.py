@@ -287,7 +287,7 @@ if __name__ == "__main__":
         "--only", nargs="+", choices=("J1", "J3", "J4"), default=(), help="workloads to run"
     )
     parser.add_argument(
-        "--rel-bias", type=int, default=None, metavar="R",
+        "--rel-bias", type=common.radius, default=None, metavar="R",
         help="give the project's call a learned relative bias of radius R (anchors have none)",
     )  # fmt: skip
     args = parser.parse_args()

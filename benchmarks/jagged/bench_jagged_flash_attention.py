@@ -347,7 +347,7 @@ if __name__ == "__main__":
         "--only", default="", help="comma-separated workloads to run (default: all), e.g. J1,J3"
     )
     parser.add_argument(
-        "--rel-bias", type=int, default=None, metavar="R",
+        "--rel-bias", type=common.radius, default=None, metavar="R",
         help="the project learns a relative bias of radius R (gem-small: 32); anchors have none",
     )  # fmt: skip
     args = parser.parse_args()
