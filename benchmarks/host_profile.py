@@ -1,0 +1,189 @@
+"""Where the host time of an eager call goes: Python-level profiles of the calls that were
+measured host-bound (docs/performance.md, 2026-11-29).
+
+Several goals were missed only in eager mode: a GDPA cross-attention (J3) or PMA (J4)
+forward + backward took 0.94 / 0.64 ms eager against 0.37 / 0.19 ms of device time, the fused
+RMSNorm + MX quantize (Q3) 100 µs against a 31 µs kernel. A launch of an empty Triton kernel
+costs 11–35 µs of host time on the H200 host, which does not add up to those figures. For each
+call this script prints:
+
+- ``host us``: wall time of back-to-back calls without a sync, per call (what issuing costs);
+- ``wall us``: the same calls including the final sync (about max(host, device));
+- the functions with the most own time under ``cProfile`` (per call), which names the Python
+  that the time goes to (Triton's launcher, argument binding, tensor construction, ...);
+
+and, for one kernel, a launch through ``kernel[grid](...)`` against one through the
+``CompiledKernel`` that launch returned (``compiled[grid](*args)``), which skips argument
+binding and the cache-key computation. ``--smoke`` runs tiny sizes on the CPU (interpreter;
+the numbers mean nothing there).
+"""
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if "--smoke" in sys.argv or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "jagged"))
+import attention_bench as ab  # noqa: E402
+import bench_gdpa  # noqa: E402
+import common  # noqa: E402
+from gem_jagged import jagged_flash_attention  # noqa: E402
+from gem_lowprec import rmsnorm_to_mx, to_mx, to_mx_2d  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_and_wall_us(step, calls: int) -> tuple[float, float]:
+    step()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    issued = time.perf_counter()
+    _sync()
+    return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
+
+
+def top_functions(step, calls: int, count: int) -> list[str]:
+    """The ``count`` functions with the most own time per call, as printable lines."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    _sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
+    lines = []
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f"{Path(path).parent.name}/{Path(path).name}:{line}" if line else path
+        lines.append(
+            f"  {tottime / calls * 1e6:8.1f} own  {cumtime / calls * 1e6:8.1f} cum  "
+            f"x{ncalls / calls:<5.3g} {name} ({where[-60:]})"
+        )
+    return lines
+
+
+def attention_steps(smoke: bool):
+    device, dtype, heads, head_dim = ab.setup(smoke, 4, 128)
+    workloads = {w.name: w for w in bench_gdpa.workloads(smoke)}
+    steps = {}
+    for name in ("J3", "J4"):
+        w = workloads[name]
+        q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
+        fn = bench_gdpa.project_fn(w, device, heads=heads)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        steps[f"GDPA {name} fwd+bwd"] = lambda fn=fn, leaves=leaves, do=do: torch.autograd.grad(
+            fn(*leaves), leaves, do
+        )
+    w = workloads["J3"]
+    q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
+    q_off, kv_off = (common.offsets_of(x, device) for x in (w.q_lengths, w.kv_lengths))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def jfa_step():
+        out = jagged_flash_attention(*leaves, q_off, kv_off, backend="triton")
+        return torch.autograd.grad(out, leaves, do)
+
+    steps["JFA J3 fwd+bwd"] = jfa_step
+    return steps
+
+
+def quantize_steps(smoke: bool):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q1 = torch.randn((64, 256) if smoke else (16384, 8192), device=device, dtype=torch.bfloat16)
+    q3 = torch.randn((64, 256) if smoke else (32768, 1024), device=device, dtype=torch.bfloat16)
+    weight = torch.ones(q3.shape[1], device=device, dtype=torch.bfloat16)
+    return {
+        "Q1 to_mx": lambda: to_mx(q1, backend="triton"),
+        "Q2 to_mx_2d": lambda: to_mx_2d(q1, backend="triton"),
+        "Q3 rmsnorm_to_mx": lambda: rmsnorm_to_mx(q3, weight, backend="triton"),
+    }
+
+
+def launch_paths(smoke: bool, calls: int) -> list[list]:
+    """Host us of one kernel launched through the JIT function and through its CompiledKernel."""
+    from gem_lowprec.formats import elem_format
+    from gem_lowprec.ops.mx_quantize.triton import format_constants
+    from gem_lowprec.ops.rmsnorm_mx import triton as kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m, n = (64, 256) if smoke else (32768, 1024)
+    x = torch.randn(m, n, device=device, dtype=torch.bfloat16).view(torch.int16)
+    w = torch.ones(n, device=device, dtype=torch.bfloat16).view(torch.int16)
+    data = torch.empty(m, n, device=device, dtype=torch.uint8)
+    scale = torch.empty(m, n // 32, device=device, dtype=torch.uint8)
+    y = torch.empty(0, device=device, dtype=torch.float32)
+    block_m = kernels.GPU_TILES.block_m(n)
+    grid = (triton_cdiv(m, block_m), 1, 1)
+    constexprs = dict(
+        BLOCK_M=block_m, NB=n // 32, RCEIL=True, HW_CONVERT=False, IN_BF16=True, W_BF16=True,
+        STORE_Y=False, WIDE_INDEX=False, **format_constants(elem_format(torch.float8_e4m3fn)),
+    )  # fmt: skip
+    args = (x, w, data, scale, y, m, n, 1e-6)
+
+    def jit_launch():
+        return kernels.rmsnorm_mx_kernel[grid](*args, **constexprs, num_warps=4)
+
+    compiled = jit_launch()
+    rows = [["kernel[grid](...)", *host_and_wall_us(jit_launch, calls)]]
+    if compiled is not None and hasattr(compiled, "run"):  # not under the interpreter
+        bound = [*args, *constexprs.values()]
+        runner = compiled[grid]
+        rows.append(
+            ["CompiledKernel[grid](*args)", *host_and_wall_us(lambda: runner(*bound), calls)]
+        )
+    rows.append(
+        ["torch.empty(1024)", *host_and_wall_us(lambda: torch.empty(1024, device=device), calls)]
+    )
+    return rows
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def run(smoke: bool, top: int) -> None:
+    calls = 2 if smoke else 50
+    print(f"# host profile, {common.environment()}")
+    import triton
+
+    hook = getattr(getattr(triton, "knobs", None), "runtime", None)
+    print(
+        f"triton {triton.__version__}, launch_enter_hook = {getattr(hook, 'launch_enter_hook', None)}"
+    )
+    rows = []
+    for name, step in {**attention_steps(smoke), **quantize_steps(smoke)}.items():
+        host, wall = host_and_wall_us(step, calls)
+        rows.append([name, host, wall])
+        print(f"\n{name}: host {host:.0f} us, wall {wall:.0f} us per call; own time per call:")
+        print("\n".join(top_functions(step, calls, top)), flush=True)
+        common.record("host_profile", call=name, host_us=host, wall_us=wall)
+    common.print_table(
+        "eager calls: host vs wall (us per call)", ["call", "host us", "wall us"], rows
+    )
+    common.print_table(
+        "one kernel (rmsnorm_mx), launch paths (us per call)",
+        ["path", "host us", "wall us"],
+        launch_paths(smoke, calls * 4),
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument("--top", type=int, default=14, help="functions listed per call")
+    args = parser.parse_args()
+    run(args.smoke, args.top)
