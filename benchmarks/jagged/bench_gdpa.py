@@ -154,29 +154,47 @@ def padded_act_fn(w, key_mask, smoke):
     return fn if smoke else torch.compile(fn, dynamic=False)
 
 
-def sweep(device, dtype, smoke) -> None:
+def sweep(device, dtype, smoke, only=()) -> None:
+    """Tile configurations of the project's kernels, eager and (on a GPU) graph-replayed: the
+    replay is the kernels' time, which an eager call of J3 or J4 hides behind its host cost."""
     heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
-    base = gdpa_kernels.default_tiles(torch.device(device), head_dim)
+    base = gdpa_kernels.default_tiles(torch.device(device), head_dim, dtype)
     variants = {
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
         "fwd m64 w4": dataclasses.replace(base, fwd_m=64, fwd_warps=4),
+        "fwd m64 w4 s1": dataclasses.replace(base, fwd_m=64, fwd_warps=4, fwd_stages=1),
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
+        "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),
         "bwd dq m64 n64 w4": dataclasses.replace(base, dq_m=64, dq_warps=4),
         "work-list schedule (J3/J4)": dataclasses.replace(base, cross_schedule="work_list"),
-        "per-sequence split x4 (J3/J4)": dataclasses.replace(base, split_target=4096),
+        "cross chunks >= 1 tile (J3)": dataclasses.replace(base, cross_min_part_tiles=1),
+        "cross chunks >= 2 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=2),
+        "cross chunks >= 8 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=8),
+        "per-sequence split <= 32 (J3/J4)": dataclasses.replace(base, max_split=32),
+        "per-sequence split <= 4 (J3/J4)": dataclasses.replace(base, max_split=4),
         "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }
     rows = []
     for w in workloads(smoke):
+        if only and w.name not in only:
+            continue
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         for name, tiles in variants.items():
             fn = project_fn(w, device, tiles)
             fwd = common.try_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
             both = ab.timed(fn, q, k, v, do, backward=True, bench=common.try_bench)
-            rows.append([w.name, name, fwd, both])
-    common.print_table("GDPA tile sweep (ms)", ["workload", "tiles", "fwd", "fwd+bwd"], rows)
+            graph = float("nan")
+            if device == "cuda":
+                graph = ab.timed(fn, q, k, v, do, backward=True, bench=common.try_bench, graph=True)
+            rows.append([w.name, name, fwd, both, graph])
+            print(
+                f"  sweep {w.name} {name}: fwd {fwd:.4g}, fwd+bwd {both:.4g}, graph {graph:.4g} ms"
+            )
+    common.print_table(
+        "GDPA tile sweep (ms)", ["workload", "tiles", "fwd", "fwd+bwd", "fwd+bwd graph"], rows
+    )
 
 
 def overhead(rows, w) -> None:
@@ -273,7 +291,7 @@ def run(
     )
     common.record("gdpa", workload="headline", **headline)
     if do_sweep:
-        sweep(device, dtype, smoke)
+        sweep(device, dtype, smoke, only)
 
 
 if __name__ == "__main__":

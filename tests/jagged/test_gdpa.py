@@ -28,7 +28,9 @@ def _case(
     """Inputs of one case: (q, k, v, q_offsets, kv_offsets, rel_bias [heads, 2·radius+1],
     grad_out)."""
     gen = torch.Generator().manual_seed(seed)
-    if mode == "cross":
+    if mode == "cross" and isinstance(kv_len, list):
+        kv_lengths = kv_len
+    elif mode == "cross":
         kv_lengths = [kv_len if kv_len is not None else (n * 7 + 3) % 23 for n in lengths]
     else:
         kv_lengths = list(lengths)
@@ -184,6 +186,36 @@ def test_work_list_schedule_matches_per_sequence(mode):
         results.append([out, *grads])
     for name, a, b in zip(NAMES, *results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_backward_is_the_same_for_every_chunking_of_the_queries(causal):
+    """Cross-attention dK/dV sums chunks of query tiles in fp32; chunks of 1, 2 or 3 tiles and a
+    single chunk give the same gradients (lengths of 0 to 11 tiles of 16, keys of 1 to 70)."""
+    import dataclasses
+
+    from gem_jagged.ops.gdpa import triton as kernels
+
+    q, k, v, q_off, kv_off, rel_bias, do = (
+        t if not t.is_floating_point() else t.float()
+        for t in _case(
+            [170, 0, 33, 1, 16, 90], mode="cross", heads=2, head_dim=32, dtype=torch.float32,
+            device="cpu", seed=17, bias=True, kv_len=None,
+        )
+    )  # fmt: skip
+    options = dict(
+        activation="silu", causal=causal, scale=0.2, out_scale=1.0, broadcast_q=False,
+        rel_bias_NB=rel_bias, is_cross=True,
+    )  # fmt: skip
+    results = []
+    for min_tiles in (1, 2, 3, 100):
+        tiles = dataclasses.replace(
+            kernels.INTERPRETER_TILES, cross_min_part_tiles=min_tiles, max_split=4
+        )
+        results.append(kernels.gdpa_backward(do, q, k, v, q_off, kv_off, tiles=tiles, **options))
+    for grads in results[1:]:
+        for name, a, b in zip(NAMES[1:], results[0], grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_offsets_cache_rebuilds_for_changed_or_new_offsets():
@@ -353,6 +385,28 @@ def test_gpu_matches_fp64(dtype, head_dim, mode, activation, causal, bias):
     )  # fmt: skip
     options = dict(activation=activation, causal=causal, broadcast_q=mode == "pma")
     _check_against_fp64(case, dtype=dtype, options=options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kv_lengths", [[64, 1, 128, 7], [64, 0, 128, 7], [64, 3, 129, 7]], ids=["fit", "empty", "long"]
+)
+def test_gpu_cross_dq_with_and_without_its_own_kernel(kv_lengths):
+    """Keys of 1 to 128 per sequence (known from the offsets' host check): the dK/dV kernel
+    writes every dQ row and the dQ kernel is not launched. A sequence without keys or one longer
+    than a tile needs it (zeros, or dS K over several key tiles)."""
+    case = _case(
+        [300, 5, 129, 0], mode="cross", heads=2, head_dim=128, dtype=torch.bfloat16,
+        device="cuda", seed=4, bias=True, kv_len=kv_lengths,
+    )  # fmt: skip
+    _check_against_fp64(case, dtype=torch.bfloat16, options=dict(activation="silu"))
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        _run(*case, dtype=torch.bfloat16, backend="triton", activation="silu")
+        torch.cuda.synchronize()
+    launched = {e.key for e in prof.key_averages()}
+    needs_dq_kernel = min(kv_lengths) == 0 or max(kv_lengths) > 128
+    assert any("_gdpa_bwd_dq_seq_kernel" in name for name in launched) == needs_dq_kernel
 
 
 @pytest.mark.gpu

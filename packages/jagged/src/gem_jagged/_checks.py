@@ -112,7 +112,8 @@ def check_offsets(
     if host[-1].item() != total:
         raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
     if offsets.device.type == "cuda" and not offsets.is_inference():
-        _remember_checked(offsets, total)  # (inference tensors track no version: check each call)
+        # (inference tensors track no version: they are checked each call)
+        _remember_checked(offsets, total, _length_range(steps))
 
 
 def offsets_to_device(
@@ -136,30 +137,52 @@ def offsets_to_device(
     check_offsets("offsets", offsets, total=total, device=offsets.device)
     moved = offsets.to(device, non_blocking=non_blocking)
     if moved.device.type == "cuda" and not moved.is_inference():
-        _remember_checked(moved, total)
+        lengths = offsets[1:].to(torch.int64) - offsets[:-1].to(torch.int64)
+        _remember_checked(moved, total, _length_range(lengths))
     return moved
 
 
-# id(offsets) -> (weak reference, version counter, token total) of CUDA offsets that passed.
-_CHECKED: dict[int, tuple[weakref.ref, int, int]] = {}
+# id(offsets) -> (weak reference, version counter, token total, (shortest, longest) sequence)
+# of CUDA offsets that passed.
+_CHECKED: dict[int, tuple[weakref.ref, int, int, tuple[int, int]]] = {}
+
+
+def _length_range(lengths: torch.Tensor) -> tuple[int, int]:
+    if lengths.numel() == 0:
+        return (0, 0)
+    return (int(lengths.min()), int(lengths.max()))
+
+
+def _live_entry(offsets: torch.Tensor):
+    entry = _CHECKED.get(id(offsets))
+    if entry is None or entry[0]() is not offsets or entry[1] != offsets._version:
+        return None
+    return entry
 
 
 def _already_checked(offsets: torch.Tensor, total: int) -> bool:
-    entry = _CHECKED.get(id(offsets))
-    return (
-        entry is not None
-        and entry[0]() is offsets
-        and entry[1] == offsets._version
-        and entry[2] == total
-    )
+    entry = _live_entry(offsets)
+    return entry is not None and entry[2] == total
 
 
-def _remember_checked(offsets: torch.Tensor, total: int) -> None:
+def checked_length_range(offsets: torch.Tensor) -> tuple[int, int] | None:
+    """``(shortest, longest)`` sequence of CUDA offsets whose values were checked on the host
+    and not changed since; None when unknown (never checked, changed in place, or checked
+    inside a graph capture or trace, where nothing is read). Launchers use it to skip work
+    that no sequence needs, with no synchronisation of their own."""
+    if _tracing():
+        return None
+    entry = _live_entry(offsets)
+    return None if entry is None else entry[3]
+
+
+def _remember_checked(offsets: torch.Tensor, total: int, length_range: tuple[int, int]) -> None:
     key = id(offsets)
     _CHECKED[key] = (
         weakref.ref(offsets, lambda _: _CHECKED.pop(key, None)),
         offsets._version,
         total,
+        length_range,
     )
 
 

@@ -542,10 +542,31 @@ class GdpaTiles:
     # tail of the launch.
     split_target: int = 4096
     max_split: int = 16
+    # Cross-attention dK/dV: a chunk of query tiles is at least this long. Each chunk adds its
+    # dK/dV (BLOCK_N × H per key tile) to fp32 buffers with atomics; one-tile chunks of
+    # J3's median sequence made those adds most of the backward's traffic.
+    cross_min_part_tiles: int = 4
 
 
 INTERPRETER_TILES = GdpaTiles(
-    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 32, 4, split_target=64, max_split=3
+    16,
+    16,
+    4,
+    1,
+    16,
+    16,
+    4,
+    1,
+    16,
+    16,
+    4,
+    1,
+    32,
+    32,
+    4,
+    split_target=64,
+    max_split=3,
+    cross_min_part_tiles=2,
 )
 # fp32 operands take twice the shared memory of bf16 per tile: the bf16 tiles (128×64 queries ×
 # keys, three stages, head dim 128) would not fit in an H200's 227 KiB; these do.

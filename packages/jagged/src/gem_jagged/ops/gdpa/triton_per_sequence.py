@@ -16,9 +16,9 @@ tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the wo
   fp32 output with atomics (each output row gets one add per part).
 - backward dK/dV: keys resident, query tiles stream past. PMA splits the key tiles among the
   parts and adds each part's dQ share to a shared fp32 buffer. Cross-attention splits the
-  query tiles into SPLIT contiguous chunks (one long sequence of queries over 64 candidates
-  would otherwise be one program's serial loop, the tail of the launch) and adds the chunks'
-  dK/dV in fp32; a sequence whose keys fit one tile gets its dQ here as well (one more matmul
+  query tiles into up to SPLIT contiguous chunks of at least ``cross_min_part_tiles`` tiles
+  (one long sequence of queries over 64 candidates would otherwise be one program's serial
+  loop, the tail of the launch) and adds the chunks' dK/dV in fp32; a sequence whose keys fit one tile gets its dQ here as well (one more matmul
   on scores already recomputed), so its queries are read once.
 - backward dQ (cross-attention with keys longer than one tile): one pass over the sequence's
   key tiles per query tile.
@@ -28,6 +28,7 @@ tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the wo
 import torch
 import triton.language as tl
 
+from gem_jagged._checks import checked_length_range
 from gem_jagged._jit import jit
 
 from .triton import (
@@ -106,7 +107,7 @@ def _gdpa_bwd_dkdv_seq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, rel_bias_ptr, dbias_WNB_ptr,
     q_offsets_ptr, kv_offsets_ptr,
     stride_qt, stride_kt, stride_vt, stride_dot, stride_dkt, stride_dvt, stride_dqt,
-    num_heads, num_seeds, scale, out_scale, RADIUS, SPLIT,
+    num_heads, num_seeds, scale, out_scale, RADIUS, SPLIT, MIN_PART_TILES,
     H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BROADCAST_Q: tl.constexpr, ATOMIC_KV: tl.constexpr, NB_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -143,7 +144,10 @@ def _gdpa_bwd_dkdv_seq_kernel(
             q_mid = tl.minimum(q_lo + (first_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
         q_hi = q_len
         if not BROADCAST_Q:  # this program's chunk of the query tiles [q_lo, q_len)
-            per_part = tl.cdiv(tl.cdiv(q_len - q_lo, BLOCK_M), SPLIT) * BLOCK_M
+            # At least MIN_PART_TILES tiles a chunk: every chunk adds its dK/dV once, so a
+            # sequence of a few tiles takes few chunks (and few fp32 adds), a long one up to SPLIT.
+            tiles = tl.cdiv(q_len - q_lo, BLOCK_M)
+            per_part = tl.maximum(tl.cdiv(tiles, SPLIT), MIN_PART_TILES) * BLOCK_M
             q_lo = q_lo + part * per_part
             q_hi = tl.minimum(q_lo + per_part, q_len)
         offs_n = k_start + tl.arange(0, BLOCK_N)
@@ -238,6 +242,14 @@ def _gdpa_bwd_dq_seq_kernel(
         tl.store(dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx, dbias_NB)
 
 
+def _keys_fit_one_tile(kv_offsets_Bp1: torch.Tensor, block_n: int) -> bool:
+    """True when every sequence is known to have 1 to ``block_n`` keys: the dK/dV kernel then
+    writes every dQ row and the dQ kernel would launch only to exit. Known from the host check
+    of the offsets; unknown (inside a graph capture, say) launches it."""
+    lengths = checked_length_range(kv_offsets_Bp1)
+    return lengths is not None and 1 <= lengths[0] and lengths[1] <= block_n
+
+
 def _split(batch: int, num_heads: int, tiles: GdpaTiles) -> int:
     """Programs per (sequence, head) of the per-sequence schedule."""
     return max(1, min(tiles.max_split, -(-tiles.split_target // max(1, batch * num_heads))))
@@ -301,11 +313,11 @@ def backward_per_sequence(
             q_TNH, k_TNH, v_TNH, do_TNH, dk, dv, dq, bias, dbias_arg, q_offsets_Bp1,
             kv_offsets_Bp1, q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
             dk.stride(0), dv.stride(0), dq.stride(0),
-            num_heads, num_seeds, scale, out_scale, radius, split,
+            num_heads, num_seeds, scale, out_scale, radius, split, tiles.cross_min_part_tiles,
             BROADCAST_Q=broadcast_q, ATOMIC_KV=atomic_kv, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
             num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common,
         )  # fmt: skip
-        if not broadcast_q:
+        if not broadcast_q and not _keys_fit_one_tile(kv_offsets_Bp1, tiles.dkdv_n):
             _gdpa_bwd_dq_seq_kernel[(batch, num_heads, split)](
                 q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias_arg, q_offsets_Bp1, kv_offsets_Bp1,
                 q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),
