@@ -172,8 +172,11 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "cross chunks >= 1 tile (J3)": dataclasses.replace(base, cross_min_part_tiles=1),
         "cross chunks >= 2 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=2),
         "cross chunks >= 8 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=8),
-        "per-sequence split <= 32 (J3/J4)": dataclasses.replace(base, max_split=32),
-        "per-sequence split <= 4 (J3/J4)": dataclasses.replace(base, max_split=4),
+        "per-sequence 4096 programs (J3/J4)": dataclasses.replace(base, split_target=4096),
+        "per-sequence split <= 2 (J3/J4)": dataclasses.replace(base, max_split=2),
+        "fwd m64 w4 s1, dkdv m64 n64 w4": dataclasses.replace(
+            base, fwd_m=64, fwd_warps=4, fwd_stages=1, dkdv_n=64, dkdv_warps=4
+        ),
         "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }
     rows = []

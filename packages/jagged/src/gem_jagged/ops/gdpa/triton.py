@@ -155,43 +155,60 @@ def _add_relative_bias(s_RC, bias_head_ptr, e0, RADIUS, SIGN: tl.constexpr):
 
 
 @jit
-def _accumulate_bias_grad(acc_NB, ds_RC, e0, RADIUS, NB_POW2: tl.constexpr, SIGN: tl.constexpr):
-    """Add ``ds`` summed by relative-bias bucket into ``acc_NB``. The pair at tile row r, column
-    c has ``j − i = e0 + SIGN·(c − r)`` (``SIGN`` +1: queries on rows; −1: keys on rows) and
-    bucket ``clamp(j − i, −R, R) + R``.
+def _accumulate_bias_grad(
+    acc_NB, left_R, right_R, ds_RC, e0, RADIUS, NB_POW2: tl.constexpr, SIGN: tl.constexpr
+):
+    """Add ``ds`` summed by relative-bias bucket: interior buckets into ``acc_NB``, the two
+    clamped edges into per-row partial sums ``left_R`` / ``right_R`` (``_finish_bias_grad``
+    adds those into the edge buckets once, at the end of the program). The pair at tile row r,
+    column c has ``j − i = e0 + SIGN·(c − r)`` (``SIGN`` +1: queries on rows; −1: keys on rows)
+    and bucket ``clamp(j − i, −R, R) + R``.
 
-    The two clamped edges take one masked sum of the tile each where the tile reaches them (a
-    tile off the band is all one edge). The interior diagonals ``|j − i| < R`` the tile crosses
-    are read out skewed, one ``tl.gather`` per tile width of diagonals: column k of the gathered
-    tile is diagonal d0 + k, one row per tile row, so a column sum is that diagonal's sum. (One
-    masked pass per bucket instead cost up to 2R + 1 full-tile reductions per band tile.)
+    Most tiles of a long sequence lie wholly on one side of the band: they add their row sums
+    (a reduction along each row, within a thread and its quad) to one edge. A full-tile sum per
+    tile, as before, reduced across warps through shared memory on every tile: in J1's causal
+    dQ with R = 32 it doubled the kernel's time. The interior diagonals ``|j − i| < R`` a band
+    tile crosses are read out skewed, one ``tl.gather`` per tile width of diagonals: column k of
+    the gathered tile is diagonal d0 + k, one row per tile row, so a column sum is that
+    diagonal's sum (one masked pass per bucket instead cost up to 2R + 1 full-tile reductions).
     """
     ROWS: tl.constexpr = ds_RC.shape[0]
     COLS: tl.constexpr = ds_RC.shape[1]
-    rows_R = tl.arange(0, ROWS)
-    cols_C = tl.arange(0, COLS)
-    idx_B = tl.arange(0, NB_POW2)
     lo, hi = _relative_range(e0, ROWS, COLS, SIGN)
     right_edge = tl.maximum(RADIUS, 1)  # R = 0: one bucket, both edges land in it
-    if lo <= -RADIUS:
+    if hi <= -RADIUS:
+        left_R += tl.sum(ds_RC, 1)
+    elif lo >= right_edge:
+        right_R += tl.sum(ds_RC, 1)
+    else:
+        rows_R = tl.arange(0, ROWS)
+        cols_C = tl.arange(0, COLS)
+        idx_B = tl.arange(0, NB_POW2)
         rel_RC = e0 + SIGN * (cols_C[None, :] - rows_R[:, None])
-        left = tl.sum(tl.sum(tl.where(rel_RC <= -RADIUS, ds_RC, 0.0), 1), 0)
-        acc_NB = tl.where(idx_B == 0, acc_NB + left, acc_NB)
-    if hi >= right_edge:
-        rel_RC = e0 + SIGN * (cols_C[None, :] - rows_R[:, None])
-        right = tl.sum(tl.sum(tl.where(rel_RC >= right_edge, ds_RC, 0.0), 1), 0)
-        acc_NB = tl.where(idx_B == 2 * RADIUS, acc_NB + right, acc_NB)
-    d_min = tl.maximum(lo, 1 - RADIUS)
-    d_max = tl.minimum(hi, RADIUS - 1)
-    for d0 in range(d_min, d_max + 1, COLS):
-        diag_K = d0 + tl.arange(0, COLS)
-        col_RK = rows_R[:, None] + SIGN * (diag_K[None, :] - e0)  # where diagonal d meets row r
-        take_RK = (col_RK >= 0) & (col_RK < COLS)
-        ds_RK = tl.gather(ds_RC, tl.where(take_RK, col_RK, 0), axis=1)
-        sums_K = tl.sum(tl.where(take_RK, ds_RK, 0.0), 0)
-        hit_BK = (idx_B[:, None] == (diag_K + RADIUS)[None, :]) & (diag_K <= d_max)[None, :]
-        acc_NB += tl.sum(tl.where(hit_BK, sums_K[None, :], 0.0), 1)
-    return acc_NB
+        if lo <= -RADIUS:
+            left_R += tl.sum(tl.where(rel_RC <= -RADIUS, ds_RC, 0.0), 1)
+        if hi >= right_edge:
+            right_R += tl.sum(tl.where(rel_RC >= right_edge, ds_RC, 0.0), 1)
+        d_min = tl.maximum(lo, 1 - RADIUS)
+        d_max = tl.minimum(hi, RADIUS - 1)
+        for d0 in range(d_min, d_max + 1, COLS):
+            diag_K = d0 + tl.arange(0, COLS)
+            col_RK = rows_R[:, None] + SIGN * (diag_K[None, :] - e0)  # diagonal d meets row r
+            take_RK = (col_RK >= 0) & (col_RK < COLS)
+            ds_RK = tl.gather(ds_RC, tl.where(take_RK, col_RK, 0), axis=1)
+            sums_K = tl.sum(tl.where(take_RK, ds_RK, 0.0), 0)
+            hit_BK = (idx_B[:, None] == (diag_K + RADIUS)[None, :]) & (diag_K <= d_max)[None, :]
+            acc_NB += tl.sum(tl.where(hit_BK, sums_K[None, :], 0.0), 1)
+    return acc_NB, left_R, right_R
+
+
+@jit
+def _finish_bias_grad(acc_NB, left_R, right_R, RADIUS):
+    """The bucket sums of a program: ``acc_NB`` with the edge rows' totals added (bucket 0 and
+    bucket 2R; with R = 0 both are the one bucket)."""
+    idx_B = tl.arange(0, acc_NB.shape[0])
+    acc_NB = tl.where(idx_B == 0, acc_NB + tl.sum(left_R, 0), acc_NB)
+    return tl.where(idx_B == 2 * RADIUS, acc_NB + tl.sum(right_R, 0), acc_NB)
 
 
 @jit
@@ -322,7 +339,7 @@ def _gdpa_fwd_kernel(
 
 @jit
 def _dkdv_tile(
-    dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
+    dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
     out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head, RADIUS,
     scale, out_scale, diag, dq_here,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BROADCAST_Q: tl.constexpr, MASK: tl.constexpr,
@@ -355,15 +372,19 @@ def _dkdv_tile(
         dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqt + head_col[None, :]
         tl.atomic_add(dq_ptrs, dq_MH, mask=(offs_m < q_len)[:, None], sem="relaxed")
         if HAS_BIAS:
-            dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, e0, RADIUS, NB_POW2, -1)
+            dbias_NB, left_N, right_N = _accumulate_bias_grad(
+                dbias_NB, left_N, right_N, dsT_NM, e0, RADIUS, NB_POW2, -1
+            )
     elif FUSED_DQ:
         if dq_here:
             dq_MH = _mm(tl.trans(dsT_NM).to(k_NH.dtype), k_NH, IEEE) * scale
             dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
             tl.store(dq_ptrs, dq_MH.to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
             if HAS_BIAS:
-                dbias_NB = _accumulate_bias_grad(dbias_NB, dsT_NM, e0, RADIUS, NB_POW2, -1)
-    return dk_NH, dv_NH, dbias_NB
+                dbias_NB, left_N, right_N = _accumulate_bias_grad(
+                    dbias_NB, left_N, right_N, dsT_NM, e0, RADIUS, NB_POW2, -1
+                )
+    return dk_NH, dv_NH, dbias_NB, left_N, right_N
 
 
 @jit
@@ -401,17 +422,19 @@ def _gdpa_bwd_dkdv_kernel(
     dk_NH = tl.zeros((BLOCK_N, H), tl.float32)
     dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
+    left_N = tl.zeros((BLOCK_N,), tl.float32)
+    right_N = tl.zeros((BLOCK_N,), tl.float32)
     # Stage 2: stream query tiles: dV += Pᵀ dO, dSᵀ = (V dOᵀ) ⊙ act'(Sᵀ), dK += dSᵀ Q.
     for q_start in range(q_lo, q_mid, BLOCK_M):
-        dk_NH, dv_NH, dbias_NB = _dkdv_tile(
-            dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
+        dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
+            dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
             out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
             RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q, CAUSAL, NB_POW2,
             BLOCK_M, IEEE, False,
         )  # fmt: skip
     for q_start in range(q_mid, q_hi, BLOCK_M):
-        dk_NH, dv_NH, dbias_NB = _dkdv_tile(
-            dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
+        dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
+            dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
             out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
             RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q, False, NB_POW2,
             BLOCK_M, IEEE, False,
@@ -429,13 +452,14 @@ def _gdpa_bwd_dkdv_kernel(
         tl.store(dk_ptrs, dk_NH.to(dk_ptr.dtype.element_ty), mask=rows)
         tl.store(dv_ptrs, dv_NH.to(dv_ptr.dtype.element_ty), mask=rows)
     if BROADCAST_Q & HAS_BIAS:
+        dbias_NB = _finish_bias_grad(dbias_NB, left_N, right_N, RADIUS)
         idx = tl.arange(0, NB_POW2)
         tl.store(dbias_WNB_ptr + (pid * num_heads + head) * NB_POW2 + idx, dbias_NB)
 
 
 @jit
 def _dq_tile(
-    dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
+    dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
     stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, NB_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -456,8 +480,10 @@ def _dq_tile(
         ds_MN = tl.where(_causal(offs_m, offs_n, diag), ds_MN, 0.0)
     dq_MH += _mm(ds_MN.to(k_NH.dtype), k_NH, IEEE)
     if HAS_BIAS:
-        dbias_NB = _accumulate_bias_grad(dbias_NB, ds_MN, e0, RADIUS, NB_POW2, 1)
-    return dq_MH, dbias_NB
+        dbias_NB, left_M, right_M = _accumulate_bias_grad(
+            dbias_NB, left_M, right_M, ds_MN, e0, RADIUS, NB_POW2, 1
+        )
+    return dq_MH, dbias_NB, left_M, right_M
 
 
 @jit
@@ -490,16 +516,18 @@ def _gdpa_bwd_dq_kernel(
     do_MH = _load_rows(do_ptr, q_begin, offs_m, q_len, stride_dot, head_col)
     dq_MH = tl.zeros((BLOCK_M, H), tl.float32)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
+    left_M = tl.zeros((BLOCK_M,), tl.float32)
+    right_M = tl.zeros((BLOCK_M,), tl.float32)
     # Stage 2: stream key tiles.
     for start_n in range(0, kv_mid, BLOCK_N):
-        dq_MH, dbias_NB = _dq_tile(
-            dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+        dq_MH, dbias_NB, left_M, right_M = _dq_tile(
+            dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
             stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
             ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
         )  # fmt: skip
     for start_n in range(kv_mid, kv_hi, BLOCK_N):
-        dq_MH, dbias_NB = _dq_tile(
-            dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+        dq_MH, dbias_NB, left_M, right_M = _dq_tile(
+            dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
             stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
             ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
         )  # fmt: skip
@@ -507,6 +535,7 @@ def _gdpa_bwd_dq_kernel(
     dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
     tl.store(dq_ptrs, (dq_MH * scale).to(dq_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
     if HAS_BIAS:
+        dbias_NB = _finish_bias_grad(dbias_NB, left_M, right_M, RADIUS)
         idx = tl.arange(0, NB_POW2)
         tl.store(dbias_WNB_ptr + (pid * num_heads + head) * NB_POW2 + idx, dbias_NB)
 
@@ -537,10 +566,12 @@ class GdpaTiles:
     cross_max_splits: int = 16
     # Cross-attention and PMA: "per_sequence" (grid B × N × SPLIT, no work list) or "work_list".
     cross_schedule: str = "per_sequence"
-    # Per-sequence schedule: aim for this many programs in all. Programs past a sequence's tiles
-    # exit at once, so a generous split costs little and keeps one long sequence from being the
-    # tail of the launch.
-    split_target: int = 4096
+    # Per-sequence schedule: aim for this many programs in all (about 8 per SM of an H200), at
+    # most max_split per (sequence, head), so that one long sequence is not the tail of the
+    # launch. Programs past a sequence's tiles exit at once, but not for free: on J3 (B = 64,
+    # 4 heads) 16 programs per (sequence, head) took 0.338 ms of fwd+bwd and 4 took 0.274 (H200,
+    # graph-replayed, docs/performance.md 2026-11-29).
+    split_target: int = 1024
     max_split: int = 16
     # Cross-attention dK/dV: a chunk of query tiles is at least this long. Each chunk adds its
     # dK/dV (BLOCK_N × H per key tile) to fp32 buffers with atomics; one-tile chunks of

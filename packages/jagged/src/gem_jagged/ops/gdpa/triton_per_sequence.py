@@ -35,6 +35,7 @@ from .triton import (
     GdpaTiles,
     _dkdv_tile,
     _dq_tile,
+    _finish_bias_grad,
     _fwd_tile,
     _load_rows,
     _seed_block,
@@ -127,6 +128,8 @@ def _gdpa_bwd_dkdv_seq_kernel(
     diag = kv_len - q_len
     head_col = head * H + tl.arange(0, H)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
+    left_N = tl.zeros((BLOCK_N,), tl.float32)
+    right_N = tl.zeros((BLOCK_N,), tl.float32)
     dq_here = (kv_len > 0) & (kv_len <= BLOCK_N)
     if BROADCAST_Q:
         k_first, k_step = part * BLOCK_N, SPLIT * BLOCK_N
@@ -156,15 +159,15 @@ def _gdpa_bwd_dkdv_seq_kernel(
         dk_NH = tl.zeros((BLOCK_N, H), tl.float32)
         dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
         for q_start in range(q_lo, tl.minimum(q_mid, q_hi), BLOCK_M):
-            dk_NH, dv_NH, dbias_NB = _dkdv_tile(
-                dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
+            dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
+                dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
                 q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
                 rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT, HAS_BIAS,
                 BROADCAST_Q, CAUSAL, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
             )  # fmt: skip
         for q_start in range(tl.maximum(q_lo, q_mid), q_hi, BLOCK_M):
-            dk_NH, dv_NH, dbias_NB = _dkdv_tile(
-                dk_NH, dv_NH, dbias_NB, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
+            dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
+                dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
                 q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
                 rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT, HAS_BIAS,
                 BROADCAST_Q, False, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
@@ -180,6 +183,7 @@ def _gdpa_bwd_dkdv_seq_kernel(
             tl.store(dk_ptrs, (dk_NH * scale).to(dk_ptr.dtype.element_ty), mask=rows)
             tl.store(dv_ptrs, (dv_NH * out_scale).to(dv_ptr.dtype.element_ty), mask=rows)
     if HAS_BIAS:
+        dbias_NB = _finish_bias_grad(dbias_NB, left_N, right_N, RADIUS)
         slot = seq * SPLIT + part
         idx = tl.arange(0, NB_POW2)
         dbias_ptrs = dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx
@@ -211,6 +215,8 @@ def _gdpa_bwd_dq_seq_kernel(
     diag = kv_len - q_len
     head_col = head * H + tl.arange(0, H)
     dbias_NB = tl.zeros((NB_POW2,), tl.float32)
+    left_M = tl.zeros((BLOCK_M,), tl.float32)
+    right_M = tl.zeros((BLOCK_M,), tl.float32)
     for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
         kv_hi = kv_len
         kv_mid = kv_len
@@ -222,14 +228,14 @@ def _gdpa_bwd_dq_seq_kernel(
         do_MH = _load_rows(do_ptr, q_begin, offs_m, q_len, stride_dot, head_col)
         dq_MH = tl.zeros((BLOCK_M, H), tl.float32)
         for start_n in range(0, kv_mid, BLOCK_N):
-            dq_MH, dbias_NB = _dq_tile(
-                dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+            dq_MH, dbias_NB, left_M, right_M = _dq_tile(
+                dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
                 stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
                 diag, ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
             )  # fmt: skip
         for start_n in range(kv_mid, kv_hi, BLOCK_N):
-            dq_MH, dbias_NB = _dq_tile(
-                dq_MH, dbias_NB, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+            dq_MH, dbias_NB, left_M, right_M = _dq_tile(
+                dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
                 stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
                 diag, ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
             )  # fmt: skip
@@ -237,6 +243,7 @@ def _gdpa_bwd_dq_seq_kernel(
         rows = (offs_m < q_len)[:, None]
         tl.store(dq_ptrs, (dq_MH * scale).to(dq_ptr.dtype.element_ty), mask=rows)
     if HAS_BIAS:
+        dbias_NB = _finish_bias_grad(dbias_NB, left_M, right_M, RADIUS)
         slot = seq * SPLIT + part
         idx = tl.arange(0, NB_POW2)
         tl.store(dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx, dbias_NB)
