@@ -178,6 +178,15 @@ def _gdpa(q, k, v, offsets, *, rel_bias: bool):
     return gdpa(q, k, v, offsets, activation="silu", causal=True, rel_bias=bias, backend="triton")
 
 
+def _gdpa_cross(q, k, v, offsets):
+    """J3-like: the batch's queries over 64 candidate keys per sequence (k, v cut to fit)."""
+    from gem_jagged import gdpa
+
+    batch = offsets.numel() - 1
+    kv_offsets = torch.arange(batch + 1, dtype=offsets.dtype) * 64
+    return gdpa(q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton")
+
+
 def _block_attention(q, k, v, offsets):
     from gem_jagged import block_attention
 
@@ -226,6 +235,7 @@ OPS = {
     "jfa_bias": _attention(functools.partial(_jfa, rel_bias=True)),
     "gdpa": _attention(functools.partial(_gdpa, rel_bias=False)),
     "gdpa_bias": _attention(functools.partial(_gdpa, rel_bias=True)),
+    "gdpa_cross": _attention(_gdpa_cross),
     "block_attention": _attention(_block_attention),
     "swiglu": _swiglu(),
     "lowprec": _lowprec(),

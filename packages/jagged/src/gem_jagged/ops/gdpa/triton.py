@@ -268,10 +268,22 @@ def _fwd_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
     v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+    return _fwd_keys_on_chip(
+        acc_MH, q_MH, offs_m, offs_n, k_NH, v_NH, rel_bias_ptr, head, RADIUS, scale, diag, ACT,
+        HAS_BIAS, MASK, IEEE,
+    )  # fmt: skip
+
+
+@jit
+def _fwd_keys_on_chip(
+    acc_MH, q_MH, offs_m, offs_n, k_NH, v_NH, rel_bias_ptr, head, RADIUS, scale, diag,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """``_fwd_tile`` on a key tile already loaded (``offs_n`` its key positions)."""
     s_MN = _mm(q_MH, tl.trans(k_NH), IEEE) * scale
     if HAS_BIAS:
         bias_head = rel_bias_ptr + head * (2 * RADIUS + 1)
-        s_MN = _add_relative_bias(s_MN, bias_head, start_n - tl.min(offs_m, 0), RADIUS, 1)
+        s_MN = _add_relative_bias(s_MN, bias_head, tl.min(offs_n, 0) - tl.min(offs_m, 0), RADIUS, 1)
     p_MN = _activation(s_MN, ACT)
     if MASK:
         p_MN = tl.where(_causal(offs_m, offs_n, diag), p_MN, 0.0)

@@ -36,6 +36,7 @@ from .triton import (
     _dkdv_tile,
     _dq_tile,
     _finish_bias_grad,
+    _fwd_keys_on_chip,
     _fwd_tile,
     _load_rows,
     _seed_block,
@@ -75,8 +76,27 @@ def _gdpa_fwd_seq_kernel(
             out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
             rows = (offs_m < q_len)[:, None]
             tl.atomic_add(out_ptrs, acc_MH * out_scale, mask=rows, sem="relaxed")
+    elif kv_len <= BLOCK_N:
+        # Cross-attention over keys that fit one tile (candidates): the keys stay on chip for
+        # the whole program and its query tiles part, part + SPLIT, ... stream past, their
+        # loads pipelined. (Through ``_fwd_tile`` each query tile reloaded the keys and waited
+        # for its own query load: one 85 µs kernel for J3's 116 MB.)
+        offs_n = tl.arange(0, BLOCK_N)
+        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+        for q_start in tl.range(part * BLOCK_M, q_len, SPLIT * BLOCK_M, num_stages=2):
+            offs_m = q_start + tl.arange(0, BLOCK_M)
+            q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+            acc_MH = _fwd_keys_on_chip(
+                tl.zeros((BLOCK_M, H), tl.float32), q_MH, offs_m, offs_n, k_NH, v_NH,
+                rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS, CAUSAL, IEEE,
+            )  # fmt: skip
+            out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
+            rows = (offs_m < q_len)[:, None]
+            tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
     else:
-        # Cross-attention: query tiles part, part + SPLIT, ... each stream the (short) keys.
+        # Cross-attention over longer keys: query tiles part, part + SPLIT, ... each stream the
+        # key tiles.
         for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
             kv_hi = kv_len
             kv_mid = kv_len
