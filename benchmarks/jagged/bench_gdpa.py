@@ -163,21 +163,19 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
         "fwd m64 w4": dataclasses.replace(base, fwd_m=64, fwd_warps=4),
+        "fwd m64 w4 s1": dataclasses.replace(base, fwd_m=64, fwd_warps=4, fwd_stages=1),
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
+        "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),
+        "bwd dq m64 n64 w4": dataclasses.replace(base, dq_m=64, dq_warps=4),
         "work-list schedule (J3/J4)": dataclasses.replace(base, cross_schedule="work_list"),
         "cross chunks >= 1 tile (J3)": dataclasses.replace(base, cross_min_part_tiles=1),
         "cross chunks >= 2 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=2),
         "cross chunks >= 8 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=8),
         "per-sequence 4096 programs (J3/J4)": dataclasses.replace(base, split_target=4096),
         "per-sequence split <= 2 (J3/J4)": dataclasses.replace(base, max_split=2),
-        "cross fwd m64 w4 (J3)": dataclasses.replace(base, cross_fwd_m=64, cross_fwd_warps=4),
-        "cross fwd m64 w4, dkdv m64 n64 w4 (J3)": dataclasses.replace(
-            base, cross_fwd_m=64, cross_fwd_warps=4, dkdv_n=64, dkdv_warps=4
-        ),
-        "cross fwd m128 w4 (J3)": dataclasses.replace(base, cross_fwd_warps=4),
-        "cross chunks >= 2 tiles, fwd m64 w4 (J3)": dataclasses.replace(
-            base, cross_min_part_tiles=2, cross_fwd_m=64, cross_fwd_warps=4
+        "fwd m64 w4 s1, dkdv m64 n64 w4": dataclasses.replace(
+            base, fwd_m=64, fwd_warps=4, fwd_stages=1, dkdv_n=64, dkdv_warps=4
         ),
         "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }

@@ -589,20 +589,33 @@ class GdpaTiles:
     # dK/dV (BLOCK_N × H per key tile) to fp32 buffers with atomics; one-tile chunks of
     # J3's median sequence made those adds most of the backward's traffic.
     cross_min_part_tiles: int = 4
-    # Cross-attention forward (per-sequence schedule): query rows per tile and warps.
-    cross_fwd_m: int = 128
-    cross_fwd_warps: int = 8
 
 
 INTERPRETER_TILES = GdpaTiles(
-    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 32, 4, split_target=64, max_split=3,
-    cross_min_part_tiles=2, cross_fwd_m=16, cross_fwd_warps=4,
-)  # fmt: skip
+    16,
+    16,
+    4,
+    1,
+    16,
+    16,
+    4,
+    1,
+    16,
+    16,
+    4,
+    1,
+    32,
+    32,
+    4,
+    split_target=64,
+    max_split=3,
+    cross_min_part_tiles=2,
+)
 # fp32 operands take twice the shared memory of bf16 per tile: the bf16 tiles (128×64 queries ×
 # keys, three stages, head dim 128) would not fit in an H200's 227 KiB; these do.
 FP32_TILES = GdpaTiles(
     fwd_m=64, fwd_n=32, fwd_warps=4, fwd_stages=2, dkdv_m=32, dkdv_n=64, dkdv_warps=4,
-    dkdv_stages=1, dq_m=64, dq_n=32, dq_warps=4, dq_stages=1, cross_fwd_m=64, cross_fwd_warps=4,
+    dkdv_stages=1, dq_m=64, dq_n=32, dq_warps=4, dq_stages=1,
 )  # fmt: skip
 
 
@@ -612,9 +625,7 @@ def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> Gd
     if dtype == torch.float32:
         return FP32_TILES
     if head_dim <= 64:
-        return GdpaTiles(
-            fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64, cross_fwd_warps=4
-        )
+        return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
     return GdpaTiles()
 
 

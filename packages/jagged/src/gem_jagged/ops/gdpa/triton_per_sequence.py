@@ -48,7 +48,7 @@ from .triton import (
 def _gdpa_fwd_seq_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr, q_offsets_ptr, kv_offsets_ptr,
     stride_qt, stride_kt, stride_vt, stride_ot,
-    num_seeds, scale, out_scale, RADIUS, SPLIT, MIN_PART_TILES,
+    num_seeds, scale, out_scale, RADIUS, SPLIT,
     H: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BROADCAST_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -76,59 +76,51 @@ def _gdpa_fwd_seq_kernel(
             out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
             rows = (offs_m < q_len)[:, None]
             tl.atomic_add(out_ptrs, acc_MH * out_scale, mask=rows, sem="relaxed")
+    elif kv_len <= BLOCK_N:
+        # Cross-attention over keys that fit one tile (candidates): the keys stay on chip for
+        # the whole program and its query tiles part, part + SPLIT, ... stream past, their
+        # loads pipelined. (Through ``_fwd_tile`` each query tile reloaded the keys and waited
+        # for its own query load: one 85 µs kernel for J3's 116 MB.)
+        offs_n = tl.arange(0, BLOCK_N)
+        k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
+        v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
+        for q_start in tl.range(part * BLOCK_M, q_len, SPLIT * BLOCK_M, num_stages=2):
+            offs_m = q_start + tl.arange(0, BLOCK_M)
+            q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+            acc_MH = _fwd_keys_on_chip(
+                tl.zeros((BLOCK_M, H), tl.float32), q_MH, offs_m, offs_n, k_NH, v_NH,
+                rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS, CAUSAL, IEEE,
+            )  # fmt: skip
+            out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
+            rows = (offs_m < q_len)[:, None]
+            tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
     else:
-        # Cross-attention: a sequence's query tiles are shared out among at most SPLIT programs,
-        # each taking at least MIN_PART_TILES of them (part, part + parts, ...), so that a
-        # program has a run of tiles to pipeline; the other programs exit at once.
-        tiles = tl.cdiv(q_len, BLOCK_M)
-        parts = tl.minimum(SPLIT, tl.maximum(tl.cdiv(tiles, MIN_PART_TILES), 1))
-        first = tl.where(part < parts, part * BLOCK_M, q_len)
-        if kv_len <= BLOCK_N:
-            # Keys that fit one tile (candidates) stay on chip for the whole program and the
-            # query tiles stream past, their loads pipelined. (Through ``_fwd_tile`` each query
-            # tile reloaded the keys and waited for its own query load: J3's forward was one
-            # 85 µs kernel for 116 MB.)
-            offs_n = tl.arange(0, BLOCK_N)
-            k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
-            v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
-            for q_start in tl.range(first, q_len, parts * BLOCK_M, num_stages=2):
-                offs_m = q_start + tl.arange(0, BLOCK_M)
-                q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
-                acc_MH = _fwd_keys_on_chip(
-                    tl.zeros((BLOCK_M, H), tl.float32), q_MH, offs_m, offs_n, k_NH, v_NH,
-                    rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS, CAUSAL, IEEE,
+        # Cross-attention over longer keys: query tiles part, part + SPLIT, ... each stream the
+        # key tiles.
+        for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
+            kv_hi = kv_len
+            kv_mid = kv_len
+            if CAUSAL:
+                kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
+                kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
+            offs_m = q_start + tl.arange(0, BLOCK_M)
+            q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
+            acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
+            for start_n in range(0, kv_mid, BLOCK_N):
+                acc_MH = _fwd_tile(
+                    acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
+                    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
+                    False, BLOCK_N, IEEE,
                 )  # fmt: skip
-                out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
-                rows = (offs_m < q_len)[:, None]
-                tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
-        else:
-            # Longer keys: each query tile streams the key tiles.
-            for q_start in range(first, q_len, parts * BLOCK_M):
-                kv_hi = kv_len
-                kv_mid = kv_len
-                if CAUSAL:
-                    kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
-                    kv_mid = (
-                        tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
-                    )
-                offs_m = q_start + tl.arange(0, BLOCK_M)
-                q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
-                acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
-                for start_n in range(0, kv_mid, BLOCK_N):
-                    acc_MH = _fwd_tile(
-                        acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
-                        stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
-                        False, BLOCK_N, IEEE,
-                    )  # fmt: skip
-                for start_n in range(kv_mid, kv_hi, BLOCK_N):
-                    acc_MH = _fwd_tile(
-                        acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
-                        stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
-                        CAUSAL, BLOCK_N, IEEE,
-                    )  # fmt: skip
-                out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
-                rows = (offs_m < q_len)[:, None]
-                tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
+            for start_n in range(kv_mid, kv_hi, BLOCK_N):
+                acc_MH = _fwd_tile(
+                    acc_MH, q_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
+                    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, diag, ACT, HAS_BIAS,
+                    CAUSAL, BLOCK_N, IEEE,
+                )  # fmt: skip
+            out_ptrs = out_ptr + (out_begin + offs_m)[:, None] * stride_ot + head_col[None, :]
+            rows = (offs_m < q_len)[:, None]
+            tl.store(out_ptrs, (acc_MH * out_scale).to(out_ptr.dtype.element_ty), mask=rows)
 
 
 @jit
@@ -304,16 +296,15 @@ def forward_per_sequence(
         out = torch.empty(
             q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
         )
-        block_m = tiles.cross_fwd_m
+        block_m = tiles.fwd_m
     split = _split(batch, num_heads, tiles)
     if batch > 0:
         _gdpa_fwd_seq_kernel[(batch, num_heads, split)](
             q_TNH, k_TNH, v_TNH, out, bias, q_offsets_Bp1, kv_offsets_Bp1,
             q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
-            num_seeds, scale, out_scale, radius, split, tiles.cross_min_part_tiles,
+            num_seeds, scale, out_scale, radius, split,
             BROADCAST_Q=broadcast_q, BLOCK_M=block_m, BLOCK_N=tiles.fwd_n,
-            num_warps=tiles.fwd_warps if broadcast_q else tiles.cross_fwd_warps,
-            num_stages=tiles.fwd_stages, **common,
+            num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **common,
         )  # fmt: skip
     return out.to(q_TNH.dtype)
 
