@@ -592,25 +592,9 @@ class GdpaTiles:
 
 
 INTERPRETER_TILES = GdpaTiles(
-    16,
-    16,
-    4,
-    1,
-    16,
-    16,
-    4,
-    1,
-    16,
-    16,
-    4,
-    1,
-    32,
-    32,
-    4,
-    split_target=64,
-    max_split=3,
+    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 32, 4, split_target=64, max_split=3,
     cross_min_part_tiles=2,
-)
+)  # fmt: skip
 # fp32 operands take twice the shared memory of bf16 per tile: the bf16 tiles (128×64 queries ×
 # keys, three stages, head dim 128) would not fit in an H200's 227 KiB; these do.
 FP32_TILES = GdpaTiles(
