@@ -72,6 +72,26 @@ def bench_ms(fn, *, warmup_ms=25, rep_ms=100) -> float:
     return statistics.median(times)
 
 
+def sync() -> None:
+    """Wait for the GPU (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_and_wall_us(step, calls: int) -> tuple[float, float]:
+    """(host, wall) µs per call of ``step`` called back to back: ``host`` until the last call
+    returns, without a sync (what issuing costs the CPU); ``wall`` including the final sync
+    (about max(host, device))."""
+    step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    issued = time.perf_counter()
+    sync()
+    return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
+
+
 def try_bench(fn, **kwargs) -> float:
     """Like ``bench_ms`` but returns NaN (and prints why) when the anchor cannot run."""
     try:

@@ -23,7 +23,6 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,29 +39,13 @@ from gem_jagged import jagged_flash_attention  # noqa: E402
 from gem_lowprec import rmsnorm_to_mx, to_mx, to_mx_2d  # noqa: E402
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def host_and_wall_us(step, calls: int) -> tuple[float, float]:
-    step()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    issued = time.perf_counter()
-    _sync()
-    return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
-
-
 def top_functions(step, calls: int, count: int) -> list[str]:
     """The ``count`` functions with the most own time per call, as printable lines."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
         step()
-    _sync()
+    common.sync()
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
@@ -138,15 +121,18 @@ def launch_paths(smoke: bool, calls: int) -> list[list]:
         return kernels.rmsnorm_mx_kernel[grid](*args, **constexprs, num_warps=4)
 
     compiled = jit_launch()
-    rows = [["kernel[grid](...)", *host_and_wall_us(jit_launch, calls)]]
+    rows = [["kernel[grid](...)", *common.host_and_wall_us(jit_launch, calls)]]
     if compiled is not None and hasattr(compiled, "run"):  # not under the interpreter
         bound = [*args, *constexprs.values()]
         runner = compiled[grid]
         rows.append(
-            ["CompiledKernel[grid](*args)", *host_and_wall_us(lambda: runner(*bound), calls)]
+            ["CompiledKernel[grid](*args)", *common.host_and_wall_us(lambda: runner(*bound), calls)]
         )
     rows.append(
-        ["torch.empty(1024)", *host_and_wall_us(lambda: torch.empty(1024, device=device), calls)]
+        [
+            "torch.empty(1024)",
+            *common.host_and_wall_us(lambda: torch.empty(1024, device=device), calls),
+        ]
     )
     return rows
 
@@ -166,7 +152,7 @@ def run(smoke: bool, top: int) -> None:
     )
     rows = []
     for name, step in {**attention_steps(smoke), **quantize_steps(smoke)}.items():
-        host, wall = host_and_wall_us(step, calls)
+        host, wall = common.host_and_wall_us(step, calls)
         rows.append([name, host, wall])
         print(f"\n{name}: host {host:.0f} us, wall {wall:.0f} us per call; own time per call:")
         print("\n".join(top_functions(step, calls, top)), flush=True)

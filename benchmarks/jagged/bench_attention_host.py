@@ -21,7 +21,6 @@ inputs. ``--smoke`` runs tiny sizes on the CPU (Triton interpreter; the numbers 
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,23 +41,6 @@ from gem_jagged.ops.gdpa import triton as gdpa_kernels  # noqa: E402
 THETA, BLOCK = 10000.0, 64
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def host_and_wall_us(step, calls: int) -> tuple[float, float]:
-    step()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    issued = time.perf_counter()
-    _sync()
-    done = time.perf_counter()
-    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
-
-
 def profile(step, calls: int):
     """(device us per step, profiler averages) over ``calls`` steps."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -67,7 +49,7 @@ def profile(step, calls: int):
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(calls):
             step()
-        _sync()
+        common.sync()
     averages = prof.key_averages()
     device = sum(
         e.self_device_time_total
@@ -174,7 +156,7 @@ def run(smoke: bool) -> None:
                 "launcher": launcher_both if backward else launcher_fwd,
             }
             for what, step in steps.items():
-                host, wall = host_and_wall_us(step, calls)
+                host, wall = common.host_and_wall_us(step, calls)
                 device_us, averages = profile(step, calls)
                 error = float("nan")
                 if backward and what == "public op":
