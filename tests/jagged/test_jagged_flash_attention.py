@@ -299,6 +299,32 @@ def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
     assert splits == {"J1": 1, "J2": 1, "J3": 4, "short": 1}
 
 
+@pytest.mark.parametrize(
+    ("hint", "checked", "expected"), [(None, (0, 37), 37), (20, (0, 37), 20), (None, None, 59)]
+)
+def test_dkdv_split_sees_the_longest_sequence_without_a_hint(monkeypatch, hint, checked, expected):
+    """Without ``max_q_len`` the backward sizes its split from the longest sequence the offsets'
+    host check saw (on J1 without the hint it had assumed one sequence of all 52k tokens and
+    split every long key tile); unchecked offsets fall back to the token count."""
+    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+
+    seen = []
+    real_splits = jfa_triton.dkdv_splits
+    monkeypatch.setattr(jfa_triton, "checked_length_range", lambda offsets: checked)
+    monkeypatch.setattr(
+        jfa_triton,
+        "dkdv_splits",
+        lambda cfg, **kw: seen.append(kw["longest_q"]) or real_splits(cfg, **kw),
+    )
+    t, q_off, _ = _case(
+        [37, 0, 22], [37, 0, 22], heads=1, head_dim=32, radius=None, seed=3, dtype=torch.float32
+    )
+    leaves = [t[name].requires_grad_() for name in ("q", "k", "v")]
+    out = jagged_flash_attention(*leaves, q_off, causal=True, max_q_len=hint, backend="triton")
+    out.sum().backward()
+    assert seen == [expected]
+
+
 def _bad_inputs():
     t, q_off, _ = _case(
         [3, 4], [3, 4], heads=2, head_dim=32, radius=None, seed=0, dtype=torch.float32

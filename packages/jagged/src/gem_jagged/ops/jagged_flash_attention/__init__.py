@@ -8,7 +8,8 @@ bottom-right (query ``i`` of ``Lq`` sees key ``j`` iff ``j ≤ i + Lk − Lq``),
 does; ``rel_bias [N, 2R+1]`` adds ``rel_bias[n, clamp(j − i, −R, R) + R]`` to every score and
 gets a gradient. A query row that sees no key outputs zeros. ``max_q_len`` / ``max_kv_len`` are
 launch hints (the backward pass uses ``max_q_len`` to size its split of long sequences); they
-never truncate anything.
+never truncate anything. Without the hint, an eager call takes the longest sequence from the
+offsets' host check when it ran (it does once per offsets tensor); otherwise the token count.
 
 ``backend="auto"`` runs the Triton kernels (``triton.py``) on CUDA tensors and the PyTorch
 reference (``reference.py``) on CPU tensors. The op is a ``torch.library`` custom op with a fake

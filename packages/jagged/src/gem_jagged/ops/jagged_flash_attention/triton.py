@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from gem_jagged._checks import checked_length_range
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
@@ -760,6 +761,9 @@ def backward_dkdv(
     num_seqs = q_offsets.shape[0] - 1
     cfg = config_for(head_dim, q.device, q.dtype, keys_per_seq=k.shape[0] / max(num_seqs, 1))
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    if max_q_len is None:  # no hint: the offsets' host check may know the longest sequence
+        lengths = checked_length_range(q_offsets)
+        max_q_len = None if lengths is None else lengths[1]
     longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
     max_splits = dkdv_splits(
         cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=num_seqs,
