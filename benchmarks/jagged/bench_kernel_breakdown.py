@@ -3,8 +3,10 @@ J3 and J4, with and without a learned relative bias.
 
 Answers "which kernel does a step spend its time in" and "what does the bias cost, and where":
 each row sums one kernel's CUDA time over ``--steps`` profiled steps (``torch.profiler``) and
-divides by their count. ``--smoke`` runs tiny sizes on the CPU (Triton interpreter; no CUDA
-times there, only a check that the script runs).
+divides by their count. Where matplotlib is installed it also draws the steps as stacked bars
+(forward, dQ, dK/dV, other kernels) in ``kernel_breakdown.png`` under ``$OUT`` (or the current
+folder). ``--smoke`` runs tiny sizes on the CPU (Triton interpreter; no CUDA times there, only a
+check that the script runs).
 """
 
 import argparse
@@ -65,10 +67,49 @@ def kernel_times(fn, q, k, v, do, steps: int) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda row: row[1], reverse=True)
 
 
+PARTS = ("forward", "dQ", "dK/dV", "other")
+
+
+def part_of(kernel: str) -> str:
+    """The stage a kernel belongs to, from its name (the project's kernels say it)."""
+    for marker, part in (("_fwd", "forward"), ("_dq", "dQ"), ("_dkdv", "dK/dV")):
+        if marker in kernel:
+            return part
+    return "other"
+
+
+def plot(steps: dict[str, list[tuple[str, float]]], folder: Path, *, title: str) -> str:
+    """Stacked bars of device µs per fwd+bwd step, one bar a step, one segment a stage;
+    ``steps`` maps a step's label to its (kernel, µs) rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    labels = list(steps)
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(labels) + 1.4))
+    left = [0.0] * len(labels)
+    for part, color in zip(PARTS, ("tab:blue", "tab:orange", "tab:green", "tab:gray"), strict=True):
+        widths = [sum(us for name, us in steps[label] if part_of(name) == part) for label in labels]
+        ax.barh(labels, widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()
+    ax.set_xlabel("device µs per forward + backward step")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"kernel time per step: {title}", fontsize=9)
+    fig.tight_layout()
+    path = folder / "kernel_breakdown.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
 def run(smoke: bool, radius: int, steps: int, only: tuple[str, ...]) -> None:
     device, dtype, heads, head_dim = ab.setup(smoke, bench_gdpa.HEADS, bench_gdpa.HEAD_DIM)
     print(f"# device time per kernel, {common.environment()}, {dtype}, N={heads}, D={head_dim}")
-    table = []
+    table, by_step = [], {}
     for w in bench_gdpa.workloads(smoke):
         if only and w.name not in only:
             continue
@@ -86,6 +127,7 @@ def run(smoke: bool, radius: int, steps: int, only: tuple[str, ...]) -> None:
                 print(f"\n{label}: {total:.0f} us of kernels per fwd+bwd step")
                 for name, us, count in rows[:8]:
                     print(f"  {us:8.1f} us  x{count:<4.3g} {name[:100]}")
+                by_step[label] = [(name, us) for name, us, _ in rows]
                 top = [us for _, us, _ in rows[:3]]
                 table.append([label, total, *top, *[float("nan")] * (3 - len(top))])
                 common.record("kernel_breakdown", step=label, kernel_us=total)
@@ -94,6 +136,8 @@ def run(smoke: bool, radius: int, steps: int, only: tuple[str, ...]) -> None:
         ["step", "all kernels", "1st", "2nd", "3rd"],
         table,
     )
+    if not smoke:
+        print(plot(by_step, Path(os.environ.get("OUT", ".")), title=common.environment()))
 
 
 if __name__ == "__main__":

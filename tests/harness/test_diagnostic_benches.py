@@ -23,3 +23,25 @@ def test_diagnostic_benchmark_smoke_runs(script, args, expected):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert expected in result.stdout
+
+
+def test_kernel_breakdown_groups_kernels_by_stage_and_plots(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    import bench_kernel_breakdown as breakdown
+
+    names = {
+        "_gdpa_fwd_seq_kernel": "forward",
+        "_jfa_dq_kernel": "dQ",
+        "_gdpa_bwd_dq_seq_kernel": "dQ",
+        "_jfa_dkdv_finish_kernel": "dK/dV",
+        "void at::native::reduce_kernel<128, 4>": "other",
+    }
+    assert {name: breakdown.part_of(name) for name in names} == names
+    message = breakdown.plot({"J3 gdpa": [("_gdpa_fwd_seq_kernel", 67.0)]}, tmp_path, title="t")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert message == "matplotlib not installed: no plot"
+    else:
+        assert (tmp_path / "kernel_breakdown.png").stat().st_size > 0
