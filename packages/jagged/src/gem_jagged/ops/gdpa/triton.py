@@ -351,9 +351,9 @@ def _gdpa_fwd_kernel(
 
 @jit
 def _dkdv_tile(
-    dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
-    out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head, RADIUS,
-    scale, out_scale, diag, dq_here,
+    dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
+    q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
+    RADIUS, scale, out_scale, diag, dq_here,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BROADCAST_Q: tl.constexpr, MASK: tl.constexpr,
     NB_POW2: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
@@ -439,17 +439,17 @@ def _gdpa_bwd_dkdv_kernel(
     # Stage 2: stream query tiles: dV += Pᵀ dO, dSᵀ = (V dOᵀ) ⊙ act'(Sᵀ), dK += dSᵀ Q.
     for q_start in range(q_lo, q_mid, BLOCK_M):
         dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
-            dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
-            out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
-            RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q, CAUSAL, NB_POW2,
-            BLOCK_M, IEEE, False,
+            dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr,
+            dq_ptr, q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
+            rel_bias_ptr, head, RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q,
+            CAUSAL, NB_POW2, BLOCK_M, IEEE, False,
         )  # fmt: skip
     for q_start in range(q_mid, q_hi, BLOCK_M):
         dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
-            dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr, q_begin,
-            out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col, rel_bias_ptr, head,
-            RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q, False, NB_POW2,
-            BLOCK_M, IEEE, False,
+            dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr,
+            dq_ptr, q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
+            rel_bias_ptr, head, RADIUS, scale, out_scale, diag, False, ACT, HAS_BIAS, BROADCAST_Q,
+            False, NB_POW2, BLOCK_M, IEEE, False,
         )  # fmt: skip
     # Stage 3: dK = scale·dSᵀQ, dV = out_scale·PᵀdO; split tiles add into fp32 buffers.
     dk_NH = dk_NH * scale
@@ -471,8 +471,8 @@ def _gdpa_bwd_dkdv_kernel(
 
 @jit
 def _dq_tile(
-    dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len, stride_kt,
-    stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
+    dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
+    stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, NB_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -533,15 +533,15 @@ def _gdpa_bwd_dq_kernel(
     # Stage 2: stream key tiles.
     for start_n in range(0, kv_mid, BLOCK_N):
         dq_MH, dbias_NB, left_M, right_M = _dq_tile(
-            dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
-            stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
-            ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
+            dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin,
+            kv_len, stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
+            diag, ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
         )  # fmt: skip
     for start_n in range(kv_mid, kv_hi, BLOCK_N):
         dq_MH, dbias_NB, left_M, right_M = _dq_tile(
-            dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
-            stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag,
-            ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
+            dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin,
+            kv_len, stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
+            diag, ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
         )  # fmt: skip
     # Stage 3: write dQ = scale·dS K and this program's bias-gradient partial.
     dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]

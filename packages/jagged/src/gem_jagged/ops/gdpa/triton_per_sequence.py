@@ -12,14 +12,16 @@ chip while the queries stream past) and of PMA that costs more than the attentio
 tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the work-list kernels of
 ``triton.py``, which dispatches here when ``GdpaTiles.cross_schedule == "per_sequence"``.
 
-- forward: cross-attention writes each query tile once; PMA sums a sequence's key parts into an
-  fp32 output with atomics (each output row gets one add per part).
+- forward: cross-attention writes each query tile once (keys that fit one tile stay on chip for
+  the program); PMA sums a sequence's key parts into an fp32 output with atomics (each output
+  row gets one add per part).
 - backward dK/dV: keys resident, query tiles stream past. PMA splits the key tiles among the
   parts and adds each part's dQ share to a shared fp32 buffer. Cross-attention splits the
   query tiles into up to SPLIT contiguous chunks of at least ``cross_min_part_tiles`` tiles
   (one long sequence of queries over 64 candidates would otherwise be one program's serial
-  loop, the tail of the launch) and adds the chunks' dK/dV in fp32; a sequence whose keys fit one tile gets its dQ here as well (one more matmul
-  on scores already recomputed), so its queries are read once.
+  loop, the tail of the launch) and adds the chunks' dK/dV in fp32; a sequence whose keys fit
+  one tile gets its dQ here as well (one more matmul on scores already recomputed), so its
+  queries are read once.
 - backward dQ (cross-attention with keys longer than one tile): one pass over the sequence's
   key tiles per query tile.
 - relative bias gradient: one private row of ``[B·SPLIT, N, NB]`` per program, summed once.
@@ -180,17 +182,17 @@ def _gdpa_bwd_dkdv_seq_kernel(
         dv_NH = tl.zeros((BLOCK_N, H), tl.float32)
         for q_start in range(q_lo, tl.minimum(q_mid, q_hi), BLOCK_M):
             dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
-                dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
-                q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
-                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT, HAS_BIAS,
-                BROADCAST_Q, CAUSAL, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
+                dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr,
+                do_ptr, dq_ptr, q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt,
+                head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT,
+                HAS_BIAS, BROADCAST_Q, CAUSAL, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
             )  # fmt: skip
         for q_start in range(tl.maximum(q_lo, q_mid), q_hi, BLOCK_M):
             dk_NH, dv_NH, dbias_NB, left_N, right_N = _dkdv_tile(
-                dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr, do_ptr, dq_ptr,
-                q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt, head_col,
-                rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT, HAS_BIAS,
-                BROADCAST_Q, False, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
+                dk_NH, dv_NH, dbias_NB, left_N, right_N, k_NH, v_NH, offs_n, q_start, q_ptr,
+                do_ptr, dq_ptr, q_begin, out_begin, q_len, stride_qt, stride_dot, stride_dqt,
+                head_col, rel_bias_ptr, head, RADIUS, scale, out_scale, diag, dq_here, ACT,
+                HAS_BIAS, BROADCAST_Q, False, NB_POW2, BLOCK_M, IEEE, not BROADCAST_Q,
             )  # fmt: skip
         rows = (offs_n < kv_len)[:, None]
         dk_ptrs = dk_ptr + (kv_begin + offs_n)[:, None] * stride_dkt + head_col[None, :]
@@ -249,15 +251,15 @@ def _gdpa_bwd_dq_seq_kernel(
         dq_MH = tl.zeros((BLOCK_M, H), tl.float32)
         for start_n in range(0, kv_mid, BLOCK_N):
             dq_MH, dbias_NB, left_M, right_M = _dq_tile(
-                dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
-                stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
-                diag, ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
+                dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr,
+                kv_begin, kv_len, stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS,
+                scale, out_scale, diag, ACT, HAS_BIAS, False, NB_POW2, BLOCK_N, IEEE,
             )  # fmt: skip
         for start_n in range(kv_mid, kv_hi, BLOCK_N):
             dq_MH, dbias_NB, left_M, right_M = _dq_tile(
-                dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr, kv_begin, kv_len,
-                stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS, scale, out_scale,
-                diag, ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
+                dq_MH, dbias_NB, left_M, right_M, q_MH, do_MH, offs_m, start_n, k_ptr, v_ptr,
+                kv_begin, kv_len, stride_kt, stride_vt, head_col, rel_bias_ptr, head, RADIUS,
+                scale, out_scale, diag, ACT, HAS_BIAS, CAUSAL, NB_POW2, BLOCK_N, IEEE,
             )  # fmt: skip
         dq_ptrs = dq_ptr + (q_begin + offs_m)[:, None] * stride_dqt + head_col[None, :]
         rows = (offs_m < q_len)[:, None]
