@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "jagged"))
 import attention_bench as ab  # noqa: E402
 import bench_gdpa  # noqa: E402
 import common  # noqa: E402
+import triton  # noqa: E402
 from gem_jagged import jagged_flash_attention  # noqa: E402
 from gem_lowprec import rmsnorm_to_mx, to_mx, to_mx_2d  # noqa: E402
 
@@ -110,7 +111,7 @@ def launch_paths(smoke: bool, calls: int) -> list[list]:
     scale = torch.empty(m, n // 32, device=device, dtype=torch.uint8)
     y = torch.empty(0, device=device, dtype=torch.float32)
     block_m = kernels.GPU_TILES.block_m(n)
-    grid = (triton_cdiv(m, block_m), 1, 1)
+    grid = (triton.cdiv(m, block_m), 1, 1)
     constexprs = dict(
         BLOCK_M=block_m, NB=n // 32, RCEIL=True, HW_CONVERT=False, IN_BF16=True, W_BF16=True,
         STORE_Y=False, WIDE_INDEX=False, **format_constants(elem_format(torch.float8_e4m3fn)),
@@ -137,15 +138,9 @@ def launch_paths(smoke: bool, calls: int) -> list[list]:
     return rows
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def run(smoke: bool, top: int) -> None:
     calls = 2 if smoke else 50
     print(f"# host profile, {common.environment()}")
-    import triton
-
     hook = getattr(getattr(triton, "knobs", None), "runtime", None)
     print(
         f"triton {triton.__version__}, launch_enter_hook = {getattr(hook, 'launch_enter_hook', None)}"
