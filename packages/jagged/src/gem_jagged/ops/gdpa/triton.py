@@ -166,8 +166,8 @@ def _accumulate_bias_grad(
 
     Most tiles of a long sequence lie wholly on one side of the band: they add their row sums
     (a reduction along each row, within a thread and its quad) to one edge. A full-tile sum per
-    tile, as before, reduced across warps through shared memory on every tile: in J1's causal
-    dQ with R = 32 it doubled the kernel's time. The interior diagonals ``|j − i| < R`` a band
+    tile would reduce across warps through shared memory on every tile: in J1's causal dQ with
+    R = 32 that doubled the kernel's time. The interior diagonals ``|j − i| < R`` a band
     tile crosses are read out skewed, one ``tl.gather`` per tile width of diagonals: column k of
     the gathered tile is diagonal d0 + k, one row per tile row, so a column sum is that
     diagonal's sum (one masked pass per bucket instead cost up to 2R + 1 full-tile reductions).
