@@ -470,6 +470,38 @@ def test_gpu_compile_and_cuda_graph_capture():
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_new_offsets_without_a_hint():
+    """Captured without ``max_q_len``, where eager calls size the backward's split from the
+    offsets' host check: the capture must not bake one batch's lengths in. A replay with new
+    lengths copied into the captured offsets (same totals) equals a fresh eager step."""
+    lengths = [100, 0, 2500, 7]
+    tensors, q_off, _ = _case(
+        lengths, lengths, heads=2, head_dim=128, radius=4, seed=6, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    leaves = [tensors[n].requires_grad_() for n in ("q", "k", "v", "rel_bias")]
+
+    def step():
+        out = jagged_flash_attention(*leaves[:3], q_off, causal=True, rel_bias=leaves[3])
+        return (out.detach(), *torch.autograd.grad(out, leaves, tensors["do"]))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up (compiles the kernels) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    q_off.copy_(offsets_from_lengths([2400, 200, 0, 7], device="cuda"))  # one long sequence moved
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    for a, b in zip(captured, fresh, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize(("rows", "cols", "keys_on_rows"), [(128, 64, False), (128, 64, True)])
 @pytest.mark.parametrize("radius", [0, 2, 5, 32, 200])
 def test_relative_bias_tiles_hold_each_offsets_bias(rows, cols, keys_on_rows, radius):
