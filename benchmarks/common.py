@@ -146,6 +146,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (steps, calls, rows): an integer ≥ 1."""
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def radius(text: str) -> int:
     """argparse type of ``--rel-bias R``: a relative-bias radius, an integer ≥ 0."""
     if not text.lstrip("-").isdigit() or int(text) < 0:

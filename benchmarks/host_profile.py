@@ -165,6 +165,8 @@ def run(smoke: bool, top: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
-    parser.add_argument("--top", type=int, default=14, help="functions listed per call")
+    parser.add_argument(
+        "--top", type=common.positive_int, default=14, help="functions listed per call"
+    )
     args = parser.parse_args()
     run(args.smoke, args.top)

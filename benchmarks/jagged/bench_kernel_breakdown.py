@@ -144,7 +144,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--rel-bias", type=common.radius, default=32, metavar="R")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=common.positive_int, default=10)
     parser.add_argument("--only", nargs="+", choices=("J1", "J3", "J4"), default=())
     args = parser.parse_args()
     run(args.smoke, args.rel_bias, 1 if args.smoke else args.steps, tuple(args.only))

@@ -45,3 +45,12 @@ def test_kernel_breakdown_groups_kernels_by_stage_and_plots(tmp_path):
         assert message == "matplotlib not installed: no plot"
     else:
         assert (tmp_path / "kernel_breakdown.png").stat().st_size > 0
+
+
+def test_diagnostic_benchmarks_refuse_a_count_below_one():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "jagged/bench_kernel_breakdown.py"), "--steps", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "argument --steps: expected an integer >= 1, got '0'" in result.stderr

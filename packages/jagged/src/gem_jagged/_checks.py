@@ -65,7 +65,9 @@ def check_head_dim(name: str, head_dim: int, supported=SUPPORTED_HEAD_DIMS) -> N
         raise ValueError(f"{name} has head dim {head_dim}; supported head dims are {supported}")
 
 
-def _tracing() -> bool:
+def building_a_graph() -> bool:
+    """True under ``torch.compile`` tracing or while the current CUDA stream is captured: no
+    host read of device values, and nothing remembered from one batch may shape the launch."""
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -96,7 +98,7 @@ def check_offsets(
     if offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
     if validate_values is None:
-        validate_values = not _tracing()
+        validate_values = not building_a_graph()
     if not validate_values or _already_checked(offsets, total):
         return
     host = offsets.detach().to("cpu", torch.int64)
@@ -137,8 +139,7 @@ def offsets_to_device(
     check_offsets("offsets", offsets, total=total, device=offsets.device)
     moved = offsets.to(device, non_blocking=non_blocking)
     if moved.device.type == "cuda" and not moved.is_inference():
-        lengths = offsets[1:].to(torch.int64) - offsets[:-1].to(torch.int64)
-        _remember_checked(moved, total, _length_range(lengths))
+        _remember_checked(moved, total, _length_range(offsets.to(torch.int64).diff()))
     return moved
 
 
@@ -170,7 +171,7 @@ def checked_length_range(offsets: torch.Tensor) -> tuple[int, int] | None:
     and not changed since; None when unknown (never checked, changed in place, or checked
     inside a graph capture or trace, where nothing is read). Launchers use it to skip work
     that no sequence needs, with no synchronisation of their own."""
-    if _tracing():
+    if building_a_graph():
         return None
     entry = _live_entry(offsets)
     return None if entry is None else entry[3]

@@ -20,14 +20,9 @@ from typing import TypeVar
 
 import torch
 
+from gem_jagged._checks import building_a_graph
+
 T = TypeVar("T")
-
-
-def building_a_graph() -> bool:
-    """True under ``torch.compile`` tracing or while the current CUDA stream is captured."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class OffsetsCache:
