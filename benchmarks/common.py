@@ -92,6 +92,41 @@ def host_and_wall_us(step, calls: int) -> tuple[float, float]:
     return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
 
 
+def cuda_graph_of(step):
+    """``step`` captured once in a CUDA graph (after two warm-up calls on a side stream); returns
+    the replay, which re-runs the step's kernels with no host work but the launch of the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def device_kernel_times(step, steps: int) -> list[tuple[str, float, float]]:
+    """(kernel, device µs per step, launches per step) of ``step`` under ``torch.profiler``,
+    longest first: what the GPU itself spends, whatever the host costs around it."""
+    step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    rows = [
+        (e.key, e.self_device_time_total / steps, e.count / steps)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    return sorted(rows, key=lambda row: row[1], reverse=True)
+
+
 def try_bench(fn, **kwargs) -> float:
     """Like ``bench_ms`` but returns NaN (and prints why) when the anchor cannot run."""
     try:

@@ -3,7 +3,8 @@ measured host-bound (docs/performance.md, 2026-11-29).
 
 Several goals were missed only in eager mode: a GDPA cross-attention (J3) or PMA (J4)
 forward + backward took 0.94 / 0.64 ms eager against 0.37 / 0.19 ms of device time, the fused
-RMSNorm + MX quantize (Q3) 100 µs against a 31 µs kernel. A launch of an empty Triton kernel
+RMSNorm + MX quantize (Q3) 100 µs against a 31 µs kernel, and the fp8 linears of G1 took
+0.3–0.5 ms longer eager than their kernels' sum. A launch of an empty Triton kernel
 costs 11–35 µs of host time on the H200 host, which does not add up to those figures. For each
 call this script prints:
 
@@ -37,7 +38,8 @@ import bench_gdpa  # noqa: E402
 import common  # noqa: E402
 import triton  # noqa: E402
 from gem_jagged import jagged_flash_attention  # noqa: E402
-from gem_lowprec import rmsnorm_to_mx, to_mx, to_mx_2d  # noqa: E402
+from gem_lowprec import LowPrecisionLinear, rmsnorm_to_mx, to_mx, to_mx_2d  # noqa: E402
+from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa: E402
 
 
 def top_functions(step, calls: int, count: int) -> list[str]:
@@ -97,6 +99,24 @@ def quantize_steps(smoke: bool):
     }
 
 
+def linear_steps(smoke: bool):
+    """G1's 1024 -> 4096 linear, forward + backward: BF16 and the fp8 recipes (no fallback)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m, k, n = (128, 128, 256) if smoke else (32768, 1024, 4096)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    steps = {}
+    for name, wgrad in (("bf16", "bf16"), ("fp8_rowwise", "fp8"), ("mxfp8", "bf16")):
+        recipe = Recipe(
+            name=name,
+            weight_grad=WeightGradConfig(wgrad),
+            fallback=FallbackConfig(measure_on_gpu=False),
+        )
+        mod = LowPrecisionLinear(k, n, bias=False, recipe=recipe, device=device, dtype=x.dtype)
+        steps[f"G1 {name} wgrad {wgrad} fwd+bwd"] = lambda mod=mod: mod(x).backward(dy)
+    return steps
+
+
 def launch_paths(smoke: bool, calls: int) -> list[list]:
     """Host us of one kernel launched through the JIT function and through its CompiledKernel."""
     from gem_lowprec.formats import elem_format
@@ -138,7 +158,7 @@ def launch_paths(smoke: bool, calls: int) -> list[list]:
     return rows
 
 
-def run(smoke: bool, top: int) -> None:
+def run(smoke: bool, top: int, only: str) -> None:
     calls = 2 if smoke else 50
     print(f"# host profile, {common.environment()}")
     hook = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -146,7 +166,12 @@ def run(smoke: bool, top: int) -> None:
         f"triton {triton.__version__}, launch_enter_hook = {getattr(hook, 'launch_enter_hook', None)}"
     )
     rows = []
-    for name, step in {**attention_steps(smoke), **quantize_steps(smoke)}.items():
+    groups = {"attention": attention_steps, "quantize": quantize_steps, "linear": linear_steps}
+    steps = {}
+    for group, make in groups.items():
+        if not only or only == group:
+            steps.update(make(smoke))
+    for name, step in steps.items():
         host, wall = common.host_and_wall_us(step, calls)
         rows.append([name, host, wall])
         print(f"\n{name}: host {host:.0f} us, wall {wall:.0f} us per call; own time per call:")
@@ -168,5 +193,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--top", type=common.positive_int, default=14, help="functions listed per call"
     )
+    parser.add_argument(
+        "--only", choices=("attention", "quantize", "linear"), default="", help="one group"
+    )
     args = parser.parse_args()
-    run(args.smoke, args.top)
+    run(args.smoke, args.top, args.only)

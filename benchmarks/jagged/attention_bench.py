@@ -78,16 +78,7 @@ def timed(fn, q, k, v, do, *, backward, bench, graph=False) -> float:
             torch.autograd.grad(fn(*leaves), leaves, do)
 
     if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            step()
-        return bench(cuda_graph.replay)
+        return bench(common.cuda_graph_of(step))
     return bench(step)
 
 

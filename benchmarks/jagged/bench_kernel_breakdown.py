@@ -49,22 +49,7 @@ def kernel_times(fn, q, k, v, do, steps: int) -> list[tuple[str, float, float]]:
     def step():
         torch.autograd.grad(fn(*leaves), leaves, do)
 
-    step()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    rows = [
-        (e.key, e.self_device_time_total / steps, e.count / steps)
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-    ]
-    return sorted(rows, key=lambda row: row[1], reverse=True)
+    return common.device_kernel_times(step, steps)
 
 
 PARTS = ("forward", "dQ", "dK/dV", "other")

@@ -4,12 +4,14 @@ BF16 against the low-precision recipes, all quantization included, measured in o
 Table 1 (totals): ``F.linear`` in BF16 (the anchor), ``LowPrecisionLinear`` with ``mxfp8`` and
 ``fp8_rowwise``, each with the weight-gradient in BF16 (default) and in fp8, with the per-shape
 fallback switched off so that the fp8 path itself is timed; then what the recipes with their
-measured fallback pick. TFLOP/s counts 3 · 2 · M · K · N per fwd+bwd.
+measured fallback pick. Each step is timed eagerly (``do_bench``: what a training loop that
+waits on its host sees) and as CUDA-graph replays (the GPU's own time), beside the sum of its
+kernels' device times (``torch.profiler``) and the host time to issue one step. TFLOP/s counts
+3 · 2 · M · K · N per fwd+bwd; the speedups divide the BF16 anchor's time of the same column.
 
-Table 2 (breakdown): every kernel of each path timed alone on the same tensors (the casts in
-TB/s of bytes read + written, the GEMMs in TFLOP/s), its share of the path's summed kernel time,
-and the sum against the measured total (the rest is launch and autograd overhead). That says
-what limits each recipe. ``--smoke`` runs tiny shapes on the CPU (emulated GEMMs).
+Table 2 (breakdown): each fp8 path's kernels with their device µs per step and their share,
+from the profiler: what limits each recipe. ``--smoke`` runs tiny shapes on the CPU (emulated
+GEMMs; no device times there). ``--sweep`` first times the fp8 casts' launch shapes.
 """
 
 import argparse
@@ -28,15 +30,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gem_lowprec import LowPrecisionLinear  # noqa: E402
 from gem_lowprec.linear import fallback_report  # noqa: E402
-from gem_lowprec.ops.fp8_cast import cast_both, cast_columns, cast_rows  # noqa: E402
 from gem_lowprec.ops.fp8_cast import triton as fp8_kernels  # noqa: E402
 from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa: E402
-from gem_lowprec.scaled_matmul import (  # noqa: E402
-    blockwise_matmul,
-    quantize_mx_k128,
-    quantize_mx_k128_rowcol,
-    rowwise_matmul,
-)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -72,124 +67,96 @@ def fwd_bwd(module, x, dy):
     return step
 
 
-def rowwise_pieces(x, w, dy, fp8_wgrad: bool):
-    """(name, fn, bytes moved or flops, kind) of the fp8_rowwise path, as linear.py runs it."""
-    (m, k), n = x.shape, w.shape[0]
-    fold_into_dy = fp8_wgrad and k > n
-    xr = cast_rows(x, E4M3, transposed=fold_into_dy)
-    wq, ws, wt, wts = cast_both(w, E4M3)
-    dyr = cast_rows(
-        dy,
-        E4M3,
-        transposed=fp8_wgrad and not fold_into_dy,
-        col_amax_row_mult=xr.scale if fold_into_dy else None,
+def measure(bench, step, smoke: bool) -> dict:
+    """Eager ms, graph-replayed ms, device ms of the step's kernels, host ms to issue one step,
+    and the kernels themselves (name, device µs per step)."""
+    eager = bench(step)
+    if smoke:
+        return dict(
+            eager=eager, graph=float("nan"), kernels=float("nan"), host=float("nan"), rows=[]
+        )
+    graph = bench(common.cuda_graph_of(step))
+    rows = common.device_kernel_times(step, 5)
+    host_us, _ = common.host_and_wall_us(step, 20)
+    return dict(
+        eager=eager,
+        graph=graph,
+        kernels=sum(us for _, us, _ in rows) / 1e3,
+        host=host_us / 1e3,
+        rows=[(name, us) for name, us, _ in rows],
     )
-    gemm = 2 * m * k * n
-    out = [
-        (f"cast x rows{' + xᵀ' if fold_into_dy else ''}", lambda: cast_rows(x, E4M3, transposed=fold_into_dy), m * k * (3 + fold_into_dy), "cast"),
-        ("cast W rows + columns (fill + 2 launches)", lambda: cast_both(w, E4M3), n * k * 6, "cast"),
-        (
-            f"cast dy rows{' + dyᵀ' if fp8_wgrad and not fold_into_dy else ''}{' + col amax' if fold_into_dy else ''}",
-            lambda: cast_rows(dy, E4M3, transposed=fp8_wgrad and not fold_into_dy, col_amax_row_mult=xr.scale if fold_into_dy else None),
-            m * n * (3 + (fp8_wgrad and not fold_into_dy)),
-            "cast",
-        ),
-        ("GEMM y (fast accum)", lambda: rowwise_matmul(xr.data, xr.scale, wq, ws, x.dtype, fast_accum=True), gemm, "gemm"),
-        ("GEMM dx", lambda: rowwise_matmul(dyr.data, dyr.scale, wt, wts, x.dtype), gemm, "gemm"),
-    ]  # fmt: skip
-    if not fp8_wgrad:
-        return [*out, ("GEMM dW bf16", lambda: dy.t() @ x, gemm, "gemm")]
-    if fold_into_dy:
-        dyt, dyts = cast_columns(dy, E4M3, row_mult=xr.scale, col_amax=dyr.col_amax)
-        ones = torch.ones(k, device=x.device)
-        return [
-            *out,
-            ("cast dy·s_x columns -> dyᵀ", lambda: cast_columns(dy, E4M3, row_mult=xr.scale, col_amax=dyr.col_amax), m * n * 3, "cast"),
-            ("GEMM dW", lambda: rowwise_matmul(dyt, dyts, xr.data_t, ones, x.dtype), gemm, "gemm"),
-        ]  # fmt: skip
-    xt, xts = cast_columns(x, E4M3, row_mult=dyr.scale)
-    ones = torch.ones(n, device=x.device)
-    return [
-        *out,
-        ("cast x·s_dy columns -> xᵀ (2 reads)", lambda: cast_columns(x, E4M3, row_mult=dyr.scale), m * k * 5, "cast"),
-        ("GEMM dW", lambda: rowwise_matmul(dyr.data_t, ones, xt, xts, x.dtype), gemm, "gemm"),
-    ]  # fmt: skip
 
 
-def mx_pieces(x, w, dy, fp8_wgrad: bool):
-    """The mxfp8 path's kernels, as linear.py runs them (1×32 MX merged to 1×128)."""
-    (m, k), n = x.shape, w.shape[0]
-    wq, (wtq, wts) = quantize_mx_k128_rowcol(w)
-    gemm = 2 * m * k * n
-    w_piece = ("quantize W both ways", lambda: quantize_mx_k128_rowcol(w), n * k * 4, "cast")
-    if not fp8_wgrad:
-        xq, dyq = quantize_mx_k128(x), quantize_mx_k128(dy)
-        return [
-            ("quantize x", lambda: quantize_mx_k128(x), m * k * 3, "cast"),
-            w_piece,
-            ("quantize dy", lambda: quantize_mx_k128(dy), m * n * 3, "cast"),
-            ("GEMM y", lambda: blockwise_matmul(*xq, *wq, x.dtype), gemm, "gemm"),
-            ("GEMM dx", lambda: blockwise_matmul(*dyq, wtq, wts, x.dtype), gemm, "gemm"),
-            ("GEMM dW bf16", lambda: dy.t() @ x, gemm, "gemm"),
-        ]
-    (xq, xtq), (dyq, dytq) = quantize_mx_k128_rowcol(x), quantize_mx_k128_rowcol(dy)
-    return [
-        ("quantize x both ways", lambda: quantize_mx_k128_rowcol(x), m * k * 4, "cast"),
-        w_piece,
-        ("quantize dy both ways", lambda: quantize_mx_k128_rowcol(dy), m * n * 4, "cast"),
-        ("GEMM y", lambda: blockwise_matmul(*xq, *wq, x.dtype), gemm, "gemm"),
-        ("GEMM dx", lambda: blockwise_matmul(*dyq, wtq, wts, x.dtype), gemm, "gemm"),
-        ("GEMM dW", lambda: blockwise_matmul(*dytq, *xtq, x.dtype), gemm, "gemm"),
-    ]
-
-
+T = fp8_kernels.RowsTiles
 ROWS_SWEEP = [
-    fp8_kernels.RowsTiles(16, 512, 8, 32),
-    fp8_kernels.RowsTiles(16, 1024, 8, 32),
-    fp8_kernels.RowsTiles(32, 256, 8, 32),
-    fp8_kernels.RowsTiles(32, 512, 8, 32),
-    fp8_kernels.RowsTiles(32, 512, 8, 16),
-    fp8_kernels.RowsTiles(32, 512, 8, 48),
-    fp8_kernels.RowsTiles(64, 256, 8, 32),
+    T(),
+    T(16, 512),
+    T(32, 512),
+    T(16, 1024, num_warps=4),
+    T(16, 2048, num_warps=16),
+    T(8, 1024, l2_wave_mib=16),
+    T(16, 1024, l2_wave_mib=48),
+    T(amax_programs_per_sm=4),
+    T(amax_programs_per_sm=8),
+    T(amax_programs_per_sm=16),
+    T(transpose_block=64, transpose_warps=4),
+    T(transpose_block=128, transpose_warps=4),
+    T(transpose_block=128, transpose_warps=16),
 ]
 BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(32, 256, 32, 128, 4)]
 
 
-def sweep_casts(bench, device: str, tokens: int, shapes: list[tuple[int, int]]) -> None:
-    """``--sweep``: the rows kernel (with and without the transposed copy) and the weight's
-    both-ways cast under several launch shapes, in TB/s of bytes read once + written."""
+def device_ms(fn) -> float:
+    """Device time of ``fn``'s kernels (profiler), not its host-bound wall time: the casts are
+    tens of µs, the same order as issuing them on the H200 host. On the CPU (``--smoke``): one
+    call's host time."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return sum(us for _, us, _ in common.device_kernel_times(fn, 10)) / 1e3
+
+
+def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None:
+    """``--sweep``: the rows kernel (plain, with the transposed copy, with a column amax) and
+    the weight's both-ways cast under several launch shapes, in device ms and TB/s of bytes read
+    once + written."""
     from gem_lowprec.formats import elem_format
 
     e4m3 = elem_format(E4M3)
+    shapes_swept = ROWS_SWEEP if device == "cuda" else ROWS_SWEEP[:1]  # the CPU: does it run
     rows = []
     for c in sorted({k for k, _ in shapes}):
         x = torch.randn(tokens, c, device=device).to(torch.bfloat16)
-        for transposed in (False, True):
-            for t in ROWS_SWEEP:
-                ms = bench(
-                    lambda t=t, x=x, tr=transposed: fp8_kernels.cast_rows(
-                        x, e4m3, transposed=tr, col_amax_row_mult=None, tiles=t
-                    ),
-                    warmup_ms=5,
-                    rep_ms=15,
+        mult = torch.ones(tokens, device=device)
+        for variant, transposed, row_mult in (
+            ("rows", False, None),
+            ("rows+T", True, None),
+            ("rows+col amax", False, mult),
+        ):
+            for t in shapes_swept:
+                if variant == "rows+col amax" and t.transpose_block != T().transpose_block:
+                    continue
+                if (
+                    variant != "rows+col amax"
+                    and t.amax_programs_per_sm != T().amax_programs_per_sm
+                ):
+                    continue
+                ms = device_ms(
+                    lambda t=t, x=x, tr=transposed, m=row_mult: fp8_kernels.cast_rows(
+                        x, e4m3, transposed=tr, col_amax_row_mult=m, tiles=t
+                    )
                 )
-                moved = x.numel() * (3 + transposed)
-                rows.append(
-                    [
-                        f"rows{'+T' if transposed else ''} [{tokens}x{c}]",
-                        str(t),
-                        ms,
-                        moved / ms / 1e9,
-                    ]
-                )
+                moved = x.numel() * (3 + transposed * 2)
+                rows.append([f"{variant} [{tokens}x{c}]", str(t)[9:], ms, moved / ms / 1e9])
     for k, n in shapes:
         w = torch.randn(n, k, device=device).to(torch.bfloat16)
         for t in BOTH_SWEEP:
-            ms = bench(
-                lambda t=t, w=w: fp8_kernels.cast_both(w, e4m3, tiles=t), warmup_ms=5, rep_ms=20
-            )
-            rows.append([f"both [{n}x{k}]", str(t), ms, w.numel() * 6 / ms / 1e9])
-    common.print_table("fp8 cast launch-shape sweep", ["cast", "tiles", "ms", "TB/s"], rows)
+            ms = device_ms(lambda t=t, w=w: fp8_kernels.cast_both(w, e4m3, tiles=t))
+            rows.append([f"both [{n}x{k}]", str(t)[9:], ms, w.numel() * 6 / ms / 1e9])
+    common.print_table(
+        "fp8 cast launch-shape sweep (device time)", ["cast", "tiles", "ms", "TB/s"], rows
+    )
 
 
 def main():
@@ -203,16 +170,18 @@ def main():
     tokens = 128 if args.smoke else 32768
     bench = timer(args.smoke)
     shapes = [(128, 256), (256, 128)] if args.smoke else [(1024, 4096), (4096, 1024)]
-    quick = dict(warmup_ms=10, rep_ms=40)
     no_fallback = FallbackConfig(measure_on_gpu=False)
     variants = [
-        (name, wg, Recipe(name=name, weight_grad=WeightGradConfig(wg), fallback=no_fallback))
+        (f"{name} wgrad {wg}", Recipe(name=name, weight_grad=WeightGradConfig(wg), fallback=no_fallback))
         for name in ("mxfp8", "fp8_rowwise")
         for wg in ("bf16", "fp8")
-    ]
+    ] + [
+        ("mxfp8 (measured fallback)", Recipe()),
+        ("fp8_rowwise wgrad fp8 (measured fallback)", Recipe(name="fp8_rowwise", weight_grad=WeightGradConfig("fp8"))),
+    ]  # fmt: skip
     print(common.environment())
     if args.sweep:
-        sweep_casts(bench, device, tokens, shapes)
+        sweep_casts(device, tokens, shapes)
     totals, pieces, headline = [], [], {}
     for k, n in shapes:
         shape = f"{k}->{n}"
@@ -223,73 +192,40 @@ def main():
         base = LowPrecisionLinear(
             k, n, bias=False, recipe=Recipe(name="bf16"), device=device, dtype=torch.bfloat16
         )
-        w, xd = base.weight.detach(), x.detach()
-        t_bf16 = bench(fwd_bwd(base, x, dy))
-        emit(totals, [shape, "bf16 F.linear (anchor)", t_bf16, common.tflops(flops, t_bf16), 1.0])
-        for label, fn in [
-            ("bf16 GEMM y", lambda xd=xd, w=w: F.linear(xd, w)),
-            ("bf16 GEMM dx", lambda dy=dy, w=w: dy @ w),
-            ("bf16 GEMM dW", lambda dy=dy, xd=xd: dy.t() @ xd),
-        ]:
-            t = bench(fn, **quick)
-            emit(
-                pieces,
-                [shape, "bf16", label, t, common.tflops(flops / 3, t), "TFLOP/s", t / t_bf16],
-            )
-        fallback_recipes = [
-            ("mxfp8 (measured fallback)", Recipe()),
-            ("fp8_rowwise wgrad fp8 (measured fallback)", Recipe(name="fp8_rowwise", weight_grad=WeightGradConfig("fp8"))),
-        ]  # fmt: skip
-        for label, rec in [*((f"{n_} wgrad {wg}", r) for n_, wg, r in variants), *fallback_recipes]:
-            mod = LowPrecisionLinear(
-                k, n, bias=False, recipe=rec, device=device, dtype=torch.bfloat16
-            )
-            mod.weight.data.copy_(base.weight.data)
-            t = bench(fwd_bwd(mod, x, dy))
-            emit(totals, [shape, label, t, common.tflops(flops, t), t_bf16 / t])
-            if rec.fallback.measure_on_gpu is False:
-                headline[f"{rec.name}_wgrad_{rec.weight_grad.precision}_{k}to{n}_speedup"] = (
-                    t_bf16 / t
-                )
-                make = mx_pieces if rec.name == "mxfp8" else rowwise_pieces
-                try:
-                    steps = make(xd, w, dy, rec.weight_grad.precision == "fp8")
-                except Exception as exc:  # a failing path must not hide the other rows
-                    print(f"  breakdown of {label} failed: {type(exc).__name__}: {exc}"[:300])
-                    continue
-                times = [bench(fn, **quick) for _, fn, _, _ in steps]
-                total_kernels = sum(times)
-                for (piece, _, amount, kind), tp in zip(steps, times, strict=True):
-                    rate = amount / (tp * 1e-3) / 1e12
-                    emit(
-                        pieces,
-                        [
-                            shape,
-                            label,
-                            piece,
-                            tp,
-                            rate,
-                            "TB/s" if kind == "cast" else "TFLOP/s",
-                            tp / total_kernels,
-                        ],
-                    )
-                emit(pieces, [shape, label, "sum of kernels (vs measured total)", total_kernels, t, "ms", 1.0])  # fmt: skip
-        y_ref = F.linear(xd.float(), w.float())
+        anchor = measure(bench, fwd_bwd(base, x, dy), args.smoke)
+        for label, rec in [("bf16 F.linear (anchor)", base.recipe), *variants]:
+            if label.startswith("bf16"):
+                got = anchor
+            else:
+                mod = LowPrecisionLinear(k, n, bias=False, recipe=rec, device=device, dtype=torch.bfloat16)  # fmt: skip
+                mod.weight.data.copy_(base.weight.data)
+                got = measure(bench, fwd_bwd(mod, x, dy), args.smoke)
+            eager_x, graph_x = anchor["eager"] / got["eager"], anchor["graph"] / got["graph"]
+            emit(totals, [shape, label, got["eager"], common.tflops(flops, got["eager"]), eager_x,
+                          got["graph"], graph_x, got["kernels"], got["host"]])  # fmt: skip
+            if rec.name != "bf16" and rec.fallback.measure_on_gpu is False:
+                key = f"{rec.name}_wgrad_{rec.weight_grad.precision}_{k}to{n}"
+                headline[f"{key}_speedup"], headline[f"{key}_graph_speedup"] = eager_x, graph_x
+            if rec.fallback.measure_on_gpu is False or label.startswith("bf16"):
+                for name, us in got["rows"]:
+                    emit(pieces, [shape, label, name[:70], us, us / 1e3 / got["kernels"]])
+        y_ref = F.linear(x.detach().float(), base.weight.detach().float())
         for name in ("mxfp8", "fp8_rowwise"):
             mod = LowPrecisionLinear(k, n, bias=False, recipe=Recipe(name=name, fallback=no_fallback), device=device, dtype=torch.bfloat16)  # fmt: skip
-            mod.weight.data.copy_(w)
-            y = mod(xd).float()
+            mod.weight.data.copy_(base.weight.data)
+            y = mod(x.detach()).float()
             sqnr = 10 * torch.log10(y_ref.pow(2).sum() / (y - y_ref).pow(2).sum()).item()
             print(f"{shape}: {name} forward SQNR vs fp32 {sqnr:.1f} dB")
     env = common.environment()
     common.print_table(
-        f"G1 linear fwd+bwd, {tokens} tokens, {env}",
-        ["shape", "recipe", "ms", "TFLOP/s", "speedup vs bf16"],
+        f"G1 linear fwd+bwd, {tokens} tokens, {env} (speedups: bf16 anchor's time / this row's)",
+        ["shape", "recipe", "eager ms", "TFLOP/s", "speedup", "graph ms", "graph speedup",
+         "kernels ms", "host ms"],
         totals,
-    )
+    )  # fmt: skip
     common.print_table(
-        f"G1 breakdown: each kernel alone, {tokens} tokens (share: of the path's kernel sum; bf16 rows: of the bf16 total)",
-        ["shape", "path", "kernel", "ms", "rate", "unit", "share"],
+        f"G1 breakdown: device µs per step by kernel (profiler), {tokens} tokens",
+        ["shape", "path", "kernel", "µs", "share"],
         pieces,
     )
     print("fallbacks:", fallback_report() or "none")

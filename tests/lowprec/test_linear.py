@@ -336,5 +336,12 @@ def test_benchmark_smoke_runs():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "G1 breakdown" in done.stdout and "sum of kernels" in done.stdout
+    assert "G1 breakdown" in done.stdout and "graph speedup" in done.stdout
+    for path in (
+        "mxfp8 wgrad bf16",
+        "mxfp8 wgrad fp8",
+        "fp8_rowwise wgrad bf16",
+        "fp8_rowwise wgrad fp8",
+    ):
+        assert f"| {path} " in done.stdout, path
     assert "launch-shape sweep" in done.stdout

@@ -109,8 +109,16 @@ def _fp8_weight_grad(recipe: Recipe, m: int) -> bool:
     return m % max(128 if recipe.name == "mxfp8" else 16, block) == 0
 
 
-def _ones(n: int, device) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.float32, device=device)
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    """float32 ones ``[n]``, the unit scales of a folded operand: read-only, so one per (n,
+    device) serves every call (a fresh one is an allocation and a fill kernel per backward)."""
+    key = (n, device)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(n, dtype=torch.float32, device=device)
+    return _ONES[key]
 
 
 class _RowwiseMatmul(torch.autograd.Function):

@@ -141,7 +141,7 @@ def rowwise_matmul(
             out_dtype=torch.bfloat16,
             use_fast_accum=fast_accum,
         )
-        return out.to(out_dtype)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     a = a_q.to(torch.float32) * a_scale[:, None]
     b = b_q.to(torch.float32) * b_scale[:, None]
     return (a @ b.t()).to(out_dtype)

@@ -9,14 +9,16 @@ column, ``_RC`` a tile of rows × columns, ``_CR`` the same tile transposed.
    column-wise cast of the same tensor needs, from the same read).
 2. Turn each row amax into its power-of-two scale (the E8M0 rule of the MX kernels).
 3. Read the rows again (the grid is sized so that a wave's rows fit in L2: the second read comes
-   from L2, not HBM), cast, store the fp8 row-major and, when asked, also transposed (``[C, R]``):
-   the same bytes in the layout the weight-gradient GEMM contracts over. The transposed copy is
-   read again (transposed, from L1) and cast on its own rather than moved as bytes: on an H200
-   (Triton 3.6) a transposed store of the very fp8 tile that was also stored row-major came out
-   with a wrong column (the pattern of an upstream report of fp8 double stores miscompiled by
-   ptxas 12.9), while the both-ways MX kernels, whose transposed copy is a cast of its own, are
-   exact. ``tl.trans`` of the float32 tile does not do: it only relabels registers, and LLVM
-   merges its cast with the row-major one (a CPU test compiles for sm_90 and counts the casts).
+   from L2, not HBM), cast and store the fp8 row-major.
+
+``transpose_bytes_kernel`` then writes the transposed copy (``[C, R]``, the layout the
+weight-gradient GEMM contracts over) from the fp8 bytes: one byte read and one written per
+element on top of the cast's three, in square tiles whose rows are whole 128-byte lines both
+ways. The cast kernel used to write it too, from a second, transposed read of its row chunk:
+16-byte segments at a stride of R, 1.1 TB/s on an H200 against 2.8 without the copy. It could
+not simply store its fp8 tile a second time through a layout conversion: on an H200 (Triton
+3.6) that double store came out with a wrong column (the pattern of an upstream report of fp8
+double stores miscompiled by ptxas 12.9); here every byte tile is stored once.
 
 ``tile_amax_kernel`` + ``cast_both_kernel`` cast a (small) weight both ways in two launches
 after a zero-fill: the first reads each tile with one load and folds its row and column amaxes
@@ -35,6 +37,7 @@ under the interpreter the integer encoder of the MX kernels runs instead, so bot
 reference bit for bit.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,14 +72,12 @@ def cast_rows_kernel(
     x_ptr,
     row_mult_ptr,
     data_ptr,
-    data_t_ptr,
     scale_ptr,
     col_amax_ptr,
     R,
     C,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
     COL_AMAX: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     E4M3: tl.constexpr,
@@ -120,11 +121,10 @@ def cast_rows_kernel(
         # Stage 2: one power-of-two scale per row.
         byte_R = scale_byte(amax_R, EMAX_EXP, True)
         tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
-        # Stage 3: cast and store row-major (and, cast from the transposed tile, transposed).
+        # Stage 3: cast and store row-major.
         for c0 in range(0, C, BLOCK_C):
             cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
-            col_ok_C = cols_C < C
-            mask_RC = row_ok_R[:, None] & col_ok_C[None, :]
+            mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
             x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
             q_RC = encode(
                 x_RC,
@@ -140,30 +140,22 @@ def cast_rows_kernel(
                 False,
             )
             tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
-            if TRANSPOSED:  # the tile read again, transposed, and cast on its own
-                mask_CR = col_ok_C[:, None] & row_ok_R[None, :]
-                x_CR = load_as_float32(
-                    x_ptr + rows_R[None, :] * C + cols_C[:, None], mask_CR, IN_BF16
-                )
-                q_CR = encode(
-                    x_CR,
-                    byte_R[None, :],
-                    byte_R[None, :],
-                    E4M3,
-                    MBITS,
-                    EMIN,
-                    MAX_BITS,
-                    MAX_VALUE,
-                    NAN_BITS,
-                    HW_CONVERT,
-                    False,
-                )
-                tl.store(data_t_ptr + cols_C[:, None] * R + rows_R[None, :], q_CR, mask=mask_CR)
     if COL_AMAX and ONE_CHUNK:
         cols_C = tl.arange(0, BLOCK_C)
         tl.atomic_max(
             col_amax_ptr + cols_C, canonical_amax(col_amax_C), mask=cols_C < C, sem="relaxed"
         )
+
+
+@triton.jit
+def transpose_bytes_kernel(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst [C, R] = src [R, C]ᵀ`` for one ``[BLOCK_R, BLOCK_C]`` tile of bytes: a coalesced
+    load along C, a layout conversion through shared memory, a coalesced store along R."""
+    rows_R = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols_C = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask_RC = (rows_R < R)[:, None] & (cols_C < C)[None, :]
+    bytes_RC = tl.load(src_ptr + rows_R[:, None] * C + cols_C[None, :], mask=mask_RC)
+    tl.store(dst_ptr + cols_C[None, :] * R + rows_R[:, None], bytes_RC, mask=mask_RC)
 
 
 @triton.jit
@@ -416,12 +408,16 @@ def mx_rowcol_k128_kernel(
 
 @dataclass(frozen=True)
 class RowsTiles:
-    """Rows kernel: ``[block_r, block_c]`` chunks, ``num_warps``, the L2 budget of a wave."""
+    """Rows kernel: ``[block_r, block_c]`` chunks, ``num_warps``, the L2 budget of a wave; the
+    byte transpose after it: square tiles of ``transpose_block``, ``transpose_warps``."""
 
     block_r: int = 16
     block_c: int = 1024  # 32 KiB of bf16 per load: two programs per SM keep 64 KiB in flight
     num_warps: int = 8
     l2_wave_mib: int = 32
+    amax_programs_per_sm: int = 2  # with a column amax: fewer programs, fewer atomics per column
+    transpose_block: int = 128  # the transposed copy: square byte tiles, 128-byte lines
+    transpose_warps: int = 8
 
 
 @dataclass(frozen=True)
@@ -437,7 +433,6 @@ class BothTiles:
 
 _ROWS_TILES = RowsTiles()
 _ONE_CHUNK_MAX_C = 2048  # rows kernel with a column amax: whole rows per chunk up to this width
-_AMAX_PROGRAMS_PER_SM = 2
 _BOTH_TILES = BothTiles()
 _TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
 _AMAX_ROW_TILES = 8  # column amax: 512 rows per program, one atomic per column and program
@@ -450,10 +445,21 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda and not INTERPRETING
 
 
+@functools.cache
+def _constants(fmt: ElemFormat, on_gpu: bool, in_bf16: bool) -> dict:
+    """The kernels' format constexprs, built once per combination (eager calls are host-bound:
+    every µs of Python per launch shows in G1)."""
+    return dict(HW_CONVERT=on_gpu, IN_BF16=in_bf16, **format_constants(fmt))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _common(x: torch.Tensor, fmt: ElemFormat) -> tuple[torch.Tensor, dict]:
     in_bf16 = x.dtype == torch.bfloat16
-    constants = dict(HW_CONVERT=_on_gpu(x), IN_BF16=in_bf16, **format_constants(fmt))
-    return (x.view(torch.int16) if in_bf16 else x), constants
+    return (x.view(torch.int16) if in_bf16 else x), _constants(fmt, _on_gpu(x), in_bf16)
 
 
 def _blocks(x: torch.Tensor, gpu: dict) -> dict:
@@ -468,16 +474,17 @@ def cast_rows(
     col_amax_row_mult: torch.Tensor | None,
     tiles: RowsTiles | None = None,
 ):
-    """Launch the rows kernel on a contiguous ``[R, C]``. Returns (data uint8 ``[R, C]``, scale
-    float32 ``[R]``, data_t uint8 ``[C, R]`` or None, column amax of ``x · row_mult`` as float32
-    ``[C]`` or None). ``tiles`` overrides the GPU launch shape (benchmark sweeps)."""
+    """Launch the rows kernel on a contiguous ``[R, C]`` (and, for ``transposed``, the byte
+    transpose after it). Returns (data uint8 ``[R, C]``, scale float32 ``[R]``, data_t uint8
+    ``[C, R]`` or None, column amax of ``x · row_mult`` as float32 ``[C]`` or None). ``tiles``
+    overrides the GPU launch shape (benchmark sweeps)."""
     R, C = x.shape
     dev = x.device
     data = torch.empty((R, C), dtype=torch.uint8, device=dev)
     scale = torch.empty(R, dtype=torch.float32, device=dev)
-    data_t = torch.empty((C, R) if transposed else 0, dtype=torch.uint8, device=dev)
     want_amax = col_amax_row_mult is not None
-    col_amax = torch.zeros(C if want_amax else 0, dtype=torch.int32, device=dev)
+    # without a column amax the kernel never touches it: scale stands in for the pointer
+    col_amax = torch.zeros(C, dtype=torch.int32, device=dev) if want_amax else scale
     if R and C:
         x_arg, constants = _common(x, fmt)
         if _on_gpu(x):
@@ -486,11 +493,11 @@ def cast_rows(
             if want_amax and C <= _ONE_CHUNK_MAX_C:  # whole rows per chunk, same tile size
                 block_c = triton.next_power_of_2(C)
                 block_r = max(1, t.block_r * t.block_c // block_c)
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            sms = _sm_count(dev)
             wave = (t.l2_wave_mib << 20) // (block_r * C * x.element_size())
             programs = max(wave, sms)
-            if want_amax:  # fewer programs, fewer atomics per column
-                programs = min(programs, _AMAX_PROGRAMS_PER_SM * sms)
+            if want_amax:
+                programs = min(programs, t.amax_programs_per_sm * sms)
             grid = (min(triton.cdiv(R, block_r), programs),)
             blocks = {"BLOCK_R": block_r, "BLOCK_C": block_c}
             launch = dict(num_warps=t.num_warps)
@@ -499,15 +506,31 @@ def cast_rows(
             grid = (min(triton.cdiv(R, blocks["BLOCK_R"]), _INTERPRETER_PROGRAMS),)
         mult = col_amax_row_mult if want_amax else scale
         cast_rows_kernel[grid](
-            x_arg, mult, data, data_t, scale, col_amax, R, C, TRANSPOSED=transposed,
-            COL_AMAX=want_amax, ONE_CHUNK=C <= blocks["BLOCK_C"], **blocks, **constants, **launch,
+            x_arg, mult, data, scale, col_amax, R, C, COL_AMAX=want_amax,
+            ONE_CHUNK=C <= blocks["BLOCK_C"], **blocks, **constants, **launch,
         )  # fmt: skip
     return (
         data,
         scale,
-        data_t if transposed else None,
+        transpose_bytes(data, tiles=tiles) if transposed else None,
         col_amax.view(torch.float32) if want_amax else None,
     )
+
+
+def transpose_bytes(src: torch.Tensor, *, tiles: RowsTiles | None = None) -> torch.Tensor:
+    """uint8 ``[C, R]``: the transpose of a contiguous uint8 ``[R, C]``."""
+    R, C = src.shape
+    dst = torch.empty((C, R), dtype=torch.uint8, device=src.device)
+    if R and C:
+        if _on_gpu(src):
+            t = tiles or _ROWS_TILES
+            blocks = {"BLOCK_R": t.transpose_block, "BLOCK_C": t.transpose_block}
+            launch = dict(num_warps=t.transpose_warps)
+        else:
+            blocks, launch = _INTERPRETER_BLOCK, {}
+        grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
+        transpose_bytes_kernel[grid](src, dst, R, C, **blocks, **launch)
+    return dst
 
 
 def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = None):
