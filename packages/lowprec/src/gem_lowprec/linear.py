@@ -12,12 +12,13 @@ layout Hopper's tensor cores take, so ``torch._scaled_mm`` gets ``b.t()`` as a f
 
 ``fp8_rowwise``: one power-of-two scale per row of each operand (``gem_lowprec.ops.fp8_cast``).
 W is cast both ways per forward (rows for y, columns for dx; ``cast_both``: one read for the
-amaxes, one for both casts) and Wᵀ stays for the backward. x is cast once by a kernel that reads it once; dy likewise. The fp8 weight-gradient contracts
-over tokens, where a per-token scale cannot sit outside the GEMM; it is folded into the other
-operand instead: ``dW = Σ_m dy[m,:]ᵀ x[m,:] = Σ_m q_dy[m,:]ᵀ (s_m · x[m,:])`` with ``dy[m,:] ≈
-s_m · q_dy[m,:]`` (s_m a power of two, so ``s_m · x`` is exact), and ``s_m · x`` gets one scale
-per column. The row-cast bytes of dy serve both dx and dW (one read of dy writes them row-major
-and transposed). Which operand takes the fold is chosen by size: when K > N the roles swap (x's
+amaxes, one for both casts) and Wᵀ stays for the backward. x is cast once by a kernel that
+reads it once; dy likewise (a transposed copy, where one is needed, is a byte transpose of the
+cast). The fp8 weight-gradient contracts over tokens, where a per-token scale cannot sit
+outside the GEMM; it is folded into the other operand instead: ``dW = Σ_m dy[m,:]ᵀ x[m,:] =
+Σ_m q_dy[m,:]ᵀ (s_m · x[m,:])`` with ``dy[m,:] ≈ s_m · q_dy[m,:]`` (s_m a power of two, so
+``s_m · x`` is exact), and ``s_m · x`` gets one scale per column. The row-cast bytes of dy serve
+both dx and dW (row-major and transposed). Which operand takes the fold is chosen by size: when K > N the roles swap (x's
 per-token scale from the forward folds into dy, and the forward saves xᵀ in fp8 instead of x).
 
 ``mxfp8``: every operand is MX-quantized along its contraction dim and merged into 1×128 blocks
