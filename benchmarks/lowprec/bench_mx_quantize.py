@@ -82,19 +82,6 @@ def formula_rmsnorm_1x32(x, w, eps=1e-6):
     return formula_1x32(y)
 
 
-def graphed(fn):
-    """``fn`` captured once in a CUDA graph (after a warm-up on a side stream): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def one_call_ms(fn) -> float:
     """The smoke run's timer: one call (the interpreter is slow; the figure means nothing)."""
     start = time.perf_counter()
@@ -196,7 +183,7 @@ def main():
             if fn is not None:
                 fn()  # compile outside the timing
         t = common.bench_ms(ours)
-        tg = common.try_bench(graphed(ours)) if not args.smoke else float("nan")
+        tg = common.try_bench(common.cuda_graph_of(ours)) if not args.smoke else float("nan")
         tc = common.try_bench(compiled) if compiled else float("nan")
         te = common.try_bench(eager) if eager else float("nan")
         tb = lambda ms, nb=nbytes: nb / (ms * 1e-3) / 1e12 if ms == ms else float("nan")  # noqa: E731
