@@ -257,6 +257,34 @@ def test_gpu_first_call_timing_inside_checkpoint_saves_what_recompute_saves():
 
 
 @pytest.mark.gpu
+def test_gpu_first_call_inside_a_cuda_graph_capture_is_not_timed():
+    """A shape first met while a CUDA graph is captured runs fp8 unmeasured (a timing there
+    would be recorded into the graph, not run) and is timed by ``measure_pending`` after."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = LowPrecisionLinear(256, 896, recipe=Recipe(), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) where timing is not allowed either
+        checkpoint(layer, x, use_reentrant=False).float().square().sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert any(key[1:3] == (256, 896) for key in unmeasured_keys())
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        layer(x).float().square().sum().backward()
+    assert any(key[1:3] == (256, 896) for key in unmeasured_keys())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all()
+    from gem_lowprec.linear import measure_pending
+
+    assert measure_pending() >= 1
+    assert not any(key[1:3] == (256, 896) for key in unmeasured_keys())
+
+
+@pytest.mark.gpu
 def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
     """Jagged batches change M every step: one timing per power-of-two bucket of M; a first call
     inside a checkpoint is not timed (it runs fp8), the next plain call of that bucket is."""

@@ -231,12 +231,14 @@ def _fp8_linear(x2: torch.Tensor, w: torch.Tensor, recipe: Recipe, out_dtype) ->
 
 
 def _timing_allowed(x: torch.Tensor) -> bool:
-    """Only in a plain forward: not compiling or in inference mode, not inside a backward
-    (checkpoint recompute), no saved-tensor hooks (checkpointed forward, offloading), no
-    dispatch mode (selective activation checkpointing)."""
+    """Only in a plain forward: not compiling, capturing a CUDA graph or in inference mode, not
+    inside a backward (checkpoint recompute), no saved-tensor hooks (checkpointed forward,
+    offloading), no dispatch mode (selective activation checkpointing)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     if not x.is_cuda or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return False
+    if torch.cuda.is_current_stream_capturing():  # a timing would be captured, not run
         return False
     if torch._C._current_graph_task_id() != -1:
         return False
