@@ -154,6 +154,22 @@ def padded_act_fn(w, key_mask, smoke):
     return fn if smoke else torch.compile(fn, dynamic=False)
 
 
+def cross_fwd(base, m: int, warps: int, stages: int):
+    """``base`` with the per-sequence cross-attention forward's own rows, warps and stages."""
+    return dataclasses.replace(base, cross_fwd_m=m, cross_fwd_warps=warps, cross_fwd_stages=stages)
+
+
+def forward_device_us(fn, q, k, v) -> float:
+    """Device µs of the forward's kernels (profiler): J3's and J4's eager forward calls are
+    host-bound, their kernels are not."""
+
+    def step():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    return sum(us for _, us, _ in common.device_kernel_times(step, 10))
+
+
 def sweep(device, dtype, smoke, only=()) -> None:
     """Tile configurations of the project's kernels, eager and (on a GPU) graph-replayed: the
     replay is the kernels' time, which an eager call of J3 or J4 hides behind its host cost."""
@@ -163,7 +179,10 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
         "fwd m64 w4": dataclasses.replace(base, fwd_m=64, fwd_warps=4),
-        "fwd m64 w4 s1": dataclasses.replace(base, fwd_m=64, fwd_warps=4, fwd_stages=1),
+        "cross fwd m64 w4 s1 (J3)": cross_fwd(base, 64, 4, 1),
+        "cross fwd m64 w4 s2 (J3)": cross_fwd(base, 64, 4, 2),
+        "cross fwd m64 w8 s1 (J3)": cross_fwd(base, 64, 8, 1),
+        "cross fwd m128 w8 s1 (J3)": cross_fwd(base, 128, 8, 1),
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
         "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),
@@ -174,9 +193,7 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "cross chunks >= 8 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=8),
         "per-sequence 4096 programs (J3/J4)": dataclasses.replace(base, split_target=4096),
         "per-sequence split <= 2 (J3/J4)": dataclasses.replace(base, max_split=2),
-        "fwd m64 w4 s1, dkdv m64 n64 w4": dataclasses.replace(
-            base, fwd_m=64, fwd_warps=4, fwd_stages=1, dkdv_n=64, dkdv_warps=4
-        ),
+        "cross fwd m128 w8 s3 (the bf16 default before)": cross_fwd(base, 128, 8, 3),
         "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }
     rows = []
@@ -188,15 +205,19 @@ def sweep(device, dtype, smoke, only=()) -> None:
             fn = project_fn(w, device, tiles)
             fwd = common.try_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
             both = ab.timed(fn, q, k, v, do, backward=True, bench=common.try_bench)
-            graph = float("nan")
+            graph = fwd_us = float("nan")
             if device == "cuda":
                 graph = ab.timed(fn, q, k, v, do, backward=True, bench=common.try_bench, graph=True)
-            rows.append([w.name, name, fwd, both, graph])
+                fwd_us = forward_device_us(fn, q, k, v)
+            rows.append([w.name, name, fwd, fwd_us, both, graph])
             print(
-                f"  sweep {w.name} {name}: fwd {fwd:.4g}, fwd+bwd {both:.4g}, graph {graph:.4g} ms"
+                f"  sweep {w.name} {name}: fwd {fwd:.4g} ms ({fwd_us:.4g} us of kernels), "
+                f"fwd+bwd {both:.4g}, graph {graph:.4g} ms"
             )
     common.print_table(
-        "GDPA tile sweep (ms)", ["workload", "tiles", "fwd", "fwd+bwd", "fwd+bwd graph"], rows
+        "GDPA tile sweep",
+        ["workload", "tiles", "fwd ms", "fwd kernels us", "fwd+bwd ms", "fwd+bwd graph ms"],
+        rows,
     )
 
 

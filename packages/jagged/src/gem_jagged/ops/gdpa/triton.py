@@ -589,6 +589,14 @@ class GdpaTiles:
     # dK/dV (BLOCK_N × H per key tile) to fp32 buffers with atomics; one-tile chunks of
     # J3's median sequence made those adds most of the backward's traffic.
     cross_min_part_tiles: int = 4
+    # The per-sequence cross-attention forward: rows, warps and stages of its own where set,
+    # else fwd_m / fwd_warps / fwd_stages. On J3 (64 candidates, bf16, head dim 128) 64 rows on
+    # 4 warps with one stage took its kernel from 66 to 55 µs on an H200: 162 registers and
+    # 72 KiB of shared memory let three programs share an SM, where 128 rows on 8 warps (238
+    # registers, 128 KiB) left one (docs/performance.md).
+    cross_fwd_m: int | None = None
+    cross_fwd_warps: int | None = None
+    cross_fwd_stages: int | None = None
 
 
 INTERPRETER_TILES = GdpaTiles(
@@ -610,7 +618,7 @@ def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> Gd
         return FP32_TILES
     if head_dim <= 64:
         return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
-    return GdpaTiles()
+    return GdpaTiles(cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1)
 
 
 def _seed_block(num_seeds: int) -> int:

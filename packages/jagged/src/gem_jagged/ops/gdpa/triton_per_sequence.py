@@ -291,6 +291,7 @@ def forward_per_sequence(
     num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
     batch = kv_offsets_Bp1.numel() - 1
     num_seeds = q_TNH.shape[0] if broadcast_q else 0
+    warps, stages = tiles.fwd_warps, tiles.fwd_stages
     if broadcast_q:  # split key ranges add up in fp32
         out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
         block_m = _seed_block(num_seeds)
@@ -298,7 +299,9 @@ def forward_per_sequence(
         out = torch.empty(
             q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
         )
-        block_m = tiles.fwd_m
+        block_m = tiles.cross_fwd_m or tiles.fwd_m
+        warps = tiles.cross_fwd_warps or warps
+        stages = tiles.cross_fwd_stages or stages
     split = _split(batch, num_heads, tiles)
     if batch > 0:
         _gdpa_fwd_seq_kernel[(batch, num_heads, split)](
@@ -306,7 +309,7 @@ def forward_per_sequence(
             q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
             num_seeds, scale, out_scale, radius, split,
             BROADCAST_Q=broadcast_q, BLOCK_M=block_m, BLOCK_N=tiles.fwd_n,
-            num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **common,
+            num_warps=warps, num_stages=stages, **common,
         )  # fmt: skip
     return out.to(q_TNH.dtype)
 
