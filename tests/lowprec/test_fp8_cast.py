@@ -8,6 +8,8 @@ from gem_lowprec.formats import E4M3
 from gem_lowprec.ops.fp8_cast import cast_both, cast_columns, cast_rows, reference
 from gem_lowprec.scaled_matmul import quantize_mx_k128_rowcol
 from gem_lowprec.testing import every_pattern_matrix, special_matrix
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ELEMS = pytest.mark.parametrize(
     "elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"]
@@ -104,6 +106,23 @@ def test_bad_inputs_are_named():
         cast_rows(torch.zeros(4, 4), torch.int8)
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
         cast_rows(torch.zeros(4, 4, dtype=torch.int32))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.sampled_from([0, 1, 63, 64, 65, 130]),
+    cols=st.sampled_from([0, 1, 31, 64, 129]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_byte_transpose_of_any_shape(rows, cols, seed):
+    """The transposed copy's kernel (interpreter) on shapes at and around its tile edges,
+    empty included: every byte lands at its transposed place, nothing else is written."""
+    from gem_lowprec.ops.fp8_cast import triton as kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    got = kernels.transpose_bytes(src)
+    assert got.shape == (cols, rows) and torch.equal(got, src.t())
 
 
 @pytest.mark.gpu
