@@ -18,8 +18,9 @@ cast). The fp8 weight-gradient contracts over tokens, where a per-token scale ca
 outside the GEMM; it is folded into the other operand instead: ``dW = Σ_m dy[m,:]ᵀ x[m,:] =
 Σ_m q_dy[m,:]ᵀ (s_m · x[m,:])`` with ``dy[m,:] ≈ s_m · q_dy[m,:]`` (s_m a power of two, so
 ``s_m · x`` is exact), and ``s_m · x`` gets one scale per column. The row-cast bytes of dy serve
-both dx and dW (row-major and transposed). Which operand takes the fold is chosen by size: when K > N the roles swap (x's
-per-token scale from the forward folds into dy, and the forward saves xᵀ in fp8 instead of x).
+both dx and dW (row-major and transposed). Which operand takes the fold is chosen by size: when
+K > N the roles swap (x's per-token scale from the forward folds into dy, and the forward saves
+xᵀ in fp8 instead of x).
 
 ``mxfp8``: every operand is MX-quantized along its contraction dim and merged into 1×128 blocks
 (``quantize_mx_k128``), then the blockwise fp8 GEMM. W is quantized along both dims by one

@@ -1,8 +1,8 @@
-"""fp8 casts for the ``fp8_rowwise`` linear: row-wise (with an optional transposed copy of the
-same bytes and the column amax for a later column-wise cast, all from one read) and column-wise
-(stored transposed), with power-of-two scales, and both casts of a weight at once
-(``cast_both``). ``backend="auto"`` takes Triton on CUDA tensors
-and the reference on CPU tensors; both give the same bits (``reference.py`` defines them).
+"""fp8 casts for the ``fp8_rowwise`` linear: row-wise (with the column amax for a later
+column-wise cast from the same read, and optionally a transposed copy of the same bytes) and
+column-wise (stored transposed), with power-of-two scales, and both casts of a weight at once
+(``cast_both``). ``backend="auto"`` takes Triton on CUDA tensors and the reference on CPU
+tensors; both give the same bits (``reference.py`` defines them).
 """
 
 from typing import NamedTuple

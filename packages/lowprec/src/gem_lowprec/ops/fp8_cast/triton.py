@@ -1,7 +1,7 @@
 """Triton kernels for the row-wise / column-wise fp8 casts of ``reference.py``.
 
 Legend (shape suffixes): ``x`` is ``[R, C]`` contiguous; ``_R`` one value per row, ``_C`` one per
-column, ``_RC`` a tile of rows × columns, ``_CR`` the same tile transposed.
+column, ``_RC`` a tile of rows × columns.
 
 ``cast_rows_kernel`` (one program per ``BLOCK_R`` rows, persistent over row blocks):
 1. Read the rows chunk by chunk, keep the largest ``|x|`` bit pattern per row (and, when asked,
@@ -497,7 +497,7 @@ def cast_rows(
         if _on_gpu(x):
             t = tiles or _ROWS_TILES
             block_r, block_c = t.block_r, t.block_c
-            if want_amax and C <= _ONE_CHUNK_MAX_C:  # whole rows per chunk, same tile size
+            if want_amax and C <= _ONE_CHUNK_MAX_C:  # whole rows per chunk
                 block_c = triton.next_power_of_2(C)
                 block_r = max(1, t.amax_tile_elems // block_c)
             sms = _sm_count(dev)
