@@ -350,6 +350,49 @@ def test_measure_pending_times_what_was_met_under_hooks(monkeypatch):
     assert linear_mod.unmeasured_keys() == [] and linear_mod.measure_pending() == 0
 
 
+@pytest.mark.parametrize(
+    "rounds, min_speedup, keeps_fp8",
+    [
+        # (bf16 ms, fp8 ms) per round, alternating bf16 then fp8
+        ([(1.00, 0.90), (1.00, 0.90), (1.00, 0.90)], 1.02, True),
+        ([(1.00, 0.99), (1.00, 0.99), (1.00, 0.99)], 1.02, False),  # within the margin: BF16
+        ([(1.00, 0.99), (1.00, 0.99), (1.00, 0.99)], 1.0, True),
+        ([(1.00, 0.50), (1.00, 1.20), (1.00, 1.10)], 1.02, False),  # one lucky round: median
+        ([(1.00, 0.90), (3.00, 0.90), (1.00, 0.90)], 1.02, True),  # one slow BF16 round: median
+    ],
+)
+def test_fp8_is_kept_only_when_its_median_beats_bf16_by_the_margin(
+    monkeypatch, rounds, min_speedup, keeps_fp8
+):
+    """The one-time fp8-vs-BF16 decision alternates the two paths, compares medians and keeps
+    fp8 only when it is ``min_speedup`` times faster: a tie, or one lucky round, keeps BF16."""
+    import gem_lowprec.linear as linear_mod
+    from gem_lowprec.recipes import FallbackConfig
+
+    script = iter(t for pair in rounds for t in pair)
+    order = []
+
+    def fake_time(fn, x, w, reps=5):
+        order.append(fn)
+        return next(script)
+
+    monkeypatch.setattr(linear_mod, "_time_fwd_bwd", fake_time)
+    recipe = Recipe(name="fp8_rowwise", fallback=FallbackConfig(min_speedup=min_speedup))
+    keep, why = linear_mod._measure(
+        recipe, 32, 64, 64, torch.float32, torch.float32, torch.float32, "cpu"
+    )
+    assert keep is keeps_fp8
+    assert len(order) == 6 and order[0] is not order[1] and order[0] is order[2]
+    assert "median of 3" in why
+
+
+def test_min_speedup_below_one_is_refused():
+    from gem_lowprec.recipes import FallbackConfig
+
+    with pytest.raises(ValueError, match="min_speedup must be a number >= 1.0"):
+        FallbackConfig(min_speedup=0.9)
+
+
 def test_benchmark_smoke_runs():
     """``bench_lowprec_linear.py --smoke``: every path of the G1 benchmark runs on the CPU."""
     import subprocess

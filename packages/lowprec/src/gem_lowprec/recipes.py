@@ -16,8 +16,8 @@ Forward and input-gradient run in fp8; the weight-gradient runs in BF16 by defau
 (``weight_grad="bf16"``) or fp8 (``"fp8"``, optionally with a random Hadamard transform along the
 token dim, ``WeightGradConfig.hadamard_block``). ``FallbackConfig`` decides per shape whether the
 low-precision path is used at all: shapes the fp8 kernels cannot take, and on a GPU shapes where a
-one-time measurement (per recipe, K, N, dtype and token count rounded up to a power of two) finds
-the fp8 path slower than BF16, run in BF16 and say so.
+one-time measurement (per recipe, K, N, dtype and token count rounded up to a power of two) does
+not find the fp8 path ``min_speedup`` times faster than BF16, run in BF16 and say so.
 """
 
 from dataclasses import dataclass, field, replace
@@ -44,6 +44,13 @@ class WeightGradConfig:
 class FallbackConfig:
     measure_on_gpu: bool = True  # time fp8 vs BF16 fwd+bwd once per (K, N, M bucket), keep faster
     warn: bool = True  # warn once per shape that falls back
+    # fp8 is kept only when its median time (three interleaved rounds) beats BF16's by this
+    # factor: a tie goes to BF16, which is never slower than itself
+    min_speedup: float = 1.02
+
+    def __post_init__(self):
+        if not self.min_speedup >= 1.0:
+            raise ValueError(f"min_speedup must be a number >= 1.0, got {self.min_speedup!r}")
 
 
 @dataclass(frozen=True)
