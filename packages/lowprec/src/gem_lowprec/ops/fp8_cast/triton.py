@@ -68,6 +68,25 @@ def canonical_amax(abs_bits):
 
 
 @triton.jit
+def cast_at_scale(
+    x,
+    byte,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+):
+    """fp8 bytes of ``x / 2^(byte − 127)``, rounded to nearest-even and saturated (the MX
+    encoder with one scale byte per element's row or column)."""
+    return encode(
+        x, byte, byte, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+    )
+
+
+@triton.jit
 def cast_rows_kernel(
     x_ptr,
     row_mult_ptr,
@@ -127,18 +146,8 @@ def cast_rows_kernel(
             cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
             mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
             x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
-            q_RC = encode(
-                x_RC,
-                byte_R[:, None],
-                byte_R[:, None],
-                E4M3,
-                MBITS,
-                EMIN,
-                MAX_BITS,
-                MAX_VALUE,
-                NAN_BITS,
-                HW_CONVERT,
-                False,
+            q_RC = cast_at_scale(
+                x_RC, byte_R[:, None], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
             )
             tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
     if COL_AMAX and ONE_CHUNK:
@@ -217,32 +226,12 @@ def cast_both_kernel(
     x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
     byte_R = scale_byte(tl.load(amax_ptr + rows_R, mask=row_ok_R, other=0), EMAX_EXP, True)
     byte_C = scale_byte(tl.load(amax_ptr + R + cols_C, mask=col_ok_C, other=0), EMAX_EXP, True)
-    q_RC = encode(
-        x_RC,
-        byte_R[:, None],
-        byte_R[:, None],
-        E4M3,
-        MBITS,
-        EMIN,
-        MAX_BITS,
-        MAX_VALUE,
-        NAN_BITS,
-        HW_CONVERT,
-        False,
+    q_RC = cast_at_scale(
+        x_RC, byte_R[:, None], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
     )
     tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
-    qc_RC = encode(
-        x_RC,
-        byte_C[None, :],
-        byte_C[None, :],
-        E4M3,
-        MBITS,
-        EMIN,
-        MAX_BITS,
-        MAX_VALUE,
-        NAN_BITS,
-        HW_CONVERT,
-        False,
+    qc_RC = cast_at_scale(
+        x_RC, byte_C[None, :], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
     )
     tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], qc_RC, mask=mask_RC)
     if pid_c == 0:
@@ -308,18 +297,8 @@ def cast_columns_kernel(
     if HAS_MULT:
         v_RC = v_RC * tl.load(row_mult_ptr + rows_R, mask=rows_R < R, other=0.0)[:, None]
     byte_C = scale_byte(tl.load(col_amax_ptr + cols_C, mask=col_ok_C, other=0), EMAX_EXP, True)
-    q_RC = encode(
-        v_RC,
-        byte_C[None, :],
-        byte_C[None, :],
-        E4M3,
-        MBITS,
-        EMIN,
-        MAX_BITS,
-        MAX_VALUE,
-        NAN_BITS,
-        HW_CONVERT,
-        False,
+    q_RC = cast_at_scale(
+        v_RC, byte_C[None, :], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
     )
     # one cast, one store (the transposed addresses get a layout conversion of the bytes)
     tl.store(data_t_ptr + cols_C[None, :] * R + rows_R[:, None], q_RC, mask=mask_RC)
