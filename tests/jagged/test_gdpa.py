@@ -218,6 +218,41 @@ def test_cross_backward_is_the_same_for_every_chunking_of_the_queries(causal):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_forward_with_its_own_tiles_matches_the_shared_ones(causal):
+    """``GdpaTiles.cross_fwd_*`` (the GPU default for head dim 128 uses them: 64-row tiles where
+    everything else has 128) give the per-sequence cross forward other query tiles than the
+    rest: the same outputs, with keys that fit one tile (kept on chip) and keys that do not."""
+    import dataclasses
+
+    from gem_jagged.ops.gdpa import triton as kernels
+
+    q, k, v, q_off, kv_off, rel_bias, _ = (
+        t if not t.is_floating_point() else t.float()
+        for t in _case(
+            [70, 0, 33, 1, 16], mode="cross", heads=2, head_dim=32, dtype=torch.float32,
+            device="cpu", seed=19, bias=True, kv_len=[5, 0, 40, 1, 16],
+        )
+    )  # fmt: skip
+    assert int((kv_off[1:] - kv_off[:-1]).max()) > kernels.INTERPRETER_TILES.fwd_n  # both paths
+    options = dict(
+        activation="silu", causal=causal, scale=0.2, out_scale=1.0, broadcast_q=False,
+        rel_bias_NB=rel_bias, is_cross=True,
+    )  # fmt: skip
+    shared = kernels.gdpa_forward(
+        q, k, v, q_off, kv_off, tiles=kernels.INTERPRETER_TILES, **options
+    )
+    own = dataclasses.replace(
+        kernels.INTERPRETER_TILES, cross_fwd_m=32, cross_fwd_warps=2, cross_fwd_stages=1
+    )
+    torch.testing.assert_close(
+        kernels.gdpa_forward(q, k, v, q_off, kv_off, tiles=own, **options),
+        shared,
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 def test_offsets_cache_rebuilds_for_changed_or_new_offsets():
     from gem_jagged.ops.gdpa._offsets_cache import OffsetsCache
 
