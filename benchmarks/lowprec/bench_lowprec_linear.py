@@ -15,6 +15,7 @@ GEMMs; no device times there). ``--sweep`` first times the fp8 casts' launch sha
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -131,19 +132,20 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
     for c in sorted({k for k, _ in shapes}):
         x = torch.randn(tokens, c, device=device).to(torch.bfloat16)
         mult = torch.ones(tokens, device=device)
-        for variant, transposed, row_mult in (
-            ("rows", False, None),
-            ("rows+T", True, None),
-            ("rows+col amax", False, mult),
+        amax_fields = ("amax_programs_per_sm", "amax_tile_elems")
+        transpose_fields = ("transpose_block", "transpose_warps")
+        for variant, transposed, row_mult, unused in (
+            ("rows", False, None, amax_fields + transpose_fields),
+            ("rows+T", True, None, amax_fields),
+            ("rows+col amax", False, mult, transpose_fields),
         ):
+            swept = set()
             for t in shapes_swept:
-                if variant == "rows+col amax" and t.transpose_block != T().transpose_block:
+                # tiles that differ only in fields this variant does not use: timed once
+                t = dataclasses.replace(t, **{f: getattr(T(), f) for f in unused})
+                if t in swept:
                     continue
-                if (
-                    variant != "rows+col amax"
-                    and t.amax_programs_per_sm != T().amax_programs_per_sm
-                ):
-                    continue
+                swept.add(t)
                 ms = device_ms(
                     lambda t=t, x=x, tr=transposed, m=row_mult: fp8_kernels.cast_rows(
                         x, e4m3, transposed=tr, col_amax_row_mult=m, tiles=t
