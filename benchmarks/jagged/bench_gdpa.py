@@ -159,6 +159,11 @@ def cross_fwd(base, m: int, warps: int, stages: int):
     return dataclasses.replace(base, cross_fwd_m=m, cross_fwd_warps=warps, cross_fwd_stages=stages)
 
 
+def cross_fwd_split(base, target: int):
+    """``base`` with the per-sequence cross-attention forward aiming at ``target`` programs."""
+    return dataclasses.replace(base, cross_fwd_split_target=target)
+
+
 def forward_device_us(fn, q, k, v) -> float:
     """Device µs of the forward's kernels (profiler): J3's and J4's eager forward calls are
     host-bound, their kernels are not."""
@@ -179,10 +184,15 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
         "fwd m64 w4": dataclasses.replace(base, fwd_m=64, fwd_warps=4),
-        "cross fwd m64 w4 s1 (J3)": cross_fwd(base, 64, 4, 1),
-        "cross fwd m64 w4 s2 (J3)": cross_fwd(base, 64, 4, 2),
-        "cross fwd m64 w8 s1 (J3)": cross_fwd(base, 64, 8, 1),
-        "cross fwd m128 w8 s1 (J3)": cross_fwd(base, 128, 8, 1),
+        "cross fwd 2048 programs (J3)": cross_fwd_split(base, 2048),
+        "cross fwd 4096 programs (J3)": cross_fwd_split(base, 4096),
+        "cross fwd 8192 programs, split <= 32 (J3)": dataclasses.replace(
+            cross_fwd_split(base, 8192), max_split=32
+        ),
+        "cross fwd 4096 programs, m64 w4 s2 (J3)": cross_fwd_split(cross_fwd(base, 64, 4, 2), 4096),
+        "cross fwd 4096 programs, m128 w8 s1 (J3)": cross_fwd_split(
+            cross_fwd(base, 128, 8, 1), 4096
+        ),
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
         "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),
@@ -193,7 +203,6 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "cross chunks >= 8 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=8),
         "per-sequence 4096 programs (J3/J4)": dataclasses.replace(base, split_target=4096),
         "per-sequence split <= 2 (J3/J4)": dataclasses.replace(base, max_split=2),
-        "cross fwd m128 w8 s3 (the bf16 default before)": cross_fwd(base, 128, 8, 3),
         "per-sequence no split (J3/J4)": dataclasses.replace(base, max_split=1),
     }
     rows = []

@@ -221,8 +221,9 @@ def test_cross_backward_is_the_same_for_every_chunking_of_the_queries(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_cross_forward_with_its_own_tiles_matches_the_shared_ones(causal):
     """``GdpaTiles.cross_fwd_*`` (the GPU default for head dim 128 uses them: 64-row tiles where
-    everything else has 128) give the per-sequence cross forward other query tiles than the
-    rest: the same outputs, with keys that fit one tile (kept on chip) and keys that do not."""
+    everything else has 128) give the per-sequence cross forward other query tiles and another
+    split than the rest: the same outputs, with keys that fit one tile (kept on chip) and keys
+    that do not, whether one program takes a sequence's every tile or most programs exit."""
     import dataclasses
 
     from gem_jagged.ops.gdpa import triton as kernels
@@ -242,15 +243,20 @@ def test_cross_forward_with_its_own_tiles_matches_the_shared_ones(causal):
     shared = kernels.gdpa_forward(
         q, k, v, q_off, kv_off, tiles=kernels.INTERPRETER_TILES, **options
     )
-    own = dataclasses.replace(
-        kernels.INTERPRETER_TILES, cross_fwd_m=32, cross_fwd_warps=2, cross_fwd_stages=1
-    )
-    torch.testing.assert_close(
-        kernels.gdpa_forward(q, k, v, q_off, kv_off, tiles=own, **options),
-        shared,
-        rtol=1e-5,
-        atol=1e-5,
-    )
+    base = kernels.INTERPRETER_TILES
+    own = [
+        dataclasses.replace(base, cross_fwd_m=32, cross_fwd_warps=2, cross_fwd_stages=1),
+        dataclasses.replace(base, cross_fwd_split_target=1),  # every tile in one program
+        dataclasses.replace(base, cross_fwd_split_target=80, max_split=8),  # most parts exit
+    ]
+    for tiles in own:
+        torch.testing.assert_close(
+            kernels.gdpa_forward(q, k, v, q_off, kv_off, tiles=tiles, **options),
+            shared,
+            rtol=1e-5,
+            atol=1e-5,
+            msg=str(tiles),
+        )
 
 
 def test_offsets_cache_rebuilds_for_changed_or_new_offsets():

@@ -597,6 +597,11 @@ class GdpaTiles:
     cross_fwd_m: int | None = None
     cross_fwd_warps: int | None = None
     cross_fwd_stages: int | None = None
+    # The per-sequence cross-attention forward's own program target (else split_target). Its
+    # programs add nothing up, so a program past its sequence's tiles costs only its exit, and a
+    # finer split keeps the longest sequence (J3: 57 query tiles of 64) from being the launch's
+    # tail.
+    cross_fwd_split_target: int | None = None
 
 
 INTERPRETER_TILES = GdpaTiles(

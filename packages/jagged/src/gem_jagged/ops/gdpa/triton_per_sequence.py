@@ -82,7 +82,10 @@ def _gdpa_fwd_seq_kernel(
         # Cross-attention over keys that fit one tile (candidates): the keys stay on chip for
         # the whole program and its query tiles part, part + SPLIT, ... stream past, their
         # loads pipelined. (Through ``_fwd_tile`` each query tile reloaded the keys and waited
-        # for its own query load: one 85 µs kernel for J3's 116 MB.)
+        # for its own query load: one 85 µs kernel for J3's 116 MB.) A program past the
+        # sequence's last tile exits before loading the keys.
+        if part * BLOCK_M >= q_len:
+            return
         offs_n = tl.arange(0, BLOCK_N)
         k_NH = _load_rows(k_ptr, kv_begin, offs_n, kv_len, stride_kt, head_col)
         v_NH = _load_rows(v_ptr, kv_begin, offs_n, kv_len, stride_vt, head_col)
@@ -279,9 +282,11 @@ def _keys_fit_one_tile(kv_offsets_Bp1: torch.Tensor, block_n: int) -> bool:
     return lengths is not None and 1 <= lengths[0] and lengths[1] <= block_n
 
 
-def _split(batch: int, num_heads: int, tiles: GdpaTiles) -> int:
-    """Programs per (sequence, head) of the per-sequence schedule."""
-    return max(1, min(tiles.max_split, -(-tiles.split_target // max(1, batch * num_heads))))
+def _split(batch: int, num_heads: int, tiles: GdpaTiles, target: int | None = None) -> int:
+    """Programs per (sequence, head) of the per-sequence schedule, aiming at ``target``
+    programs in all (default ``tiles.split_target``)."""
+    target = target or tiles.split_target
+    return max(1, min(tiles.max_split, -(-target // max(1, batch * num_heads))))
 
 
 def forward_per_sequence(
@@ -292,6 +297,7 @@ def forward_per_sequence(
     batch = kv_offsets_Bp1.numel() - 1
     num_seeds = q_TNH.shape[0] if broadcast_q else 0
     warps, stages = tiles.fwd_warps, tiles.fwd_stages
+    split = _split(batch, num_heads, tiles)
     if broadcast_q:  # split key ranges add up in fp32
         out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
         block_m = _seed_block(num_seeds)
@@ -302,7 +308,7 @@ def forward_per_sequence(
         block_m = tiles.cross_fwd_m or tiles.fwd_m
         warps = tiles.cross_fwd_warps or warps
         stages = tiles.cross_fwd_stages or stages
-    split = _split(batch, num_heads, tiles)
+        split = _split(batch, num_heads, tiles, tiles.cross_fwd_split_target)
     if batch > 0:
         _gdpa_fwd_seq_kernel[(batch, num_heads, split)](
             q_TNH, k_TNH, v_TNH, out, bias, q_offsets_Bp1, kv_offsets_Bp1,
