@@ -184,15 +184,9 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
         "fwd m64 w4": dataclasses.replace(base, fwd_m=64, fwd_warps=4),
+        "cross fwd 1024 programs (J3)": cross_fwd_split(base, 1024),
         "cross fwd 2048 programs (J3)": cross_fwd_split(base, 2048),
-        "cross fwd 4096 programs (J3)": cross_fwd_split(base, 4096),
-        "cross fwd 8192 programs, split <= 32 (J3)": dataclasses.replace(
-            cross_fwd_split(base, 8192), max_split=32
-        ),
         "cross fwd 4096 programs, m64 w4 s2 (J3)": cross_fwd_split(cross_fwd(base, 64, 4, 2), 4096),
-        "cross fwd 4096 programs, m128 w8 s1 (J3)": cross_fwd_split(
-            cross_fwd(base, 128, 8, 1), 4096
-        ),
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
         "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),

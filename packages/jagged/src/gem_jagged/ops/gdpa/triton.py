@@ -600,7 +600,8 @@ class GdpaTiles:
     # The per-sequence cross-attention forward's own program target (else split_target). Its
     # programs add nothing up, so a program past its sequence's tiles costs only its exit, and a
     # finer split keeps the longest sequence (J3: 57 query tiles of 64) from being the launch's
-    # tail.
+    # tail: on J3 4096 programs (16 per sequence and head) took the kernel from 55 to 43.5 µs
+    # on an H200, where 2048 gave 46 and 8192 47 (docs/performance.md).
     cross_fwd_split_target: int | None = None
 
 
@@ -623,7 +624,9 @@ def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> Gd
         return FP32_TILES
     if head_dim <= 64:
         return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
-    return GdpaTiles(cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1)
+    return GdpaTiles(
+        cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1, cross_fwd_split_target=4096
+    )
 
 
 def _seed_block(num_seeds: int) -> int:
