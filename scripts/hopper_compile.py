@@ -226,6 +226,10 @@ def _lowprec():
                 mx.mx_quantize(x, fmt, **layout, scale_mode="rceil", seed=None)
             mx.mx_quantize(x, fmt, rows=True, cols=False, tile_2d=False, scale_mode="floor", seed=3)
             rmsnorm_mx(x, torch.ones(1024), 1e-6, fmt, "rceil")
+        for cols in (4096, 8192):  # the rows cast's wide launch and whole-row column amax
+            wide = torch.randn(512, cols, dtype=torch.bfloat16)
+            fp8_cast.cast_rows(wide, E4M3, transposed=False, col_amax_row_mult=None)
+            fp8_cast.cast_rows(wide, E4M3, transposed=False, col_amax_row_mult=mult[:512])
 
     return run
 

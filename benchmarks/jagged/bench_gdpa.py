@@ -251,7 +251,8 @@ def measure_each(fns, workload, label, backward, bench, anchor_bench) -> dict[st
     for name, entry in fns.items():
         part = ab.measure(
             {name: entry}, project=("gdpa",), backward=backward, bench=bench,
-            anchor_bench=anchor_bench, graphed=[name] if name in ("gdpa", "JFA") else [],
+            anchor_bench=anchor_bench,
+            graphed=[name] if name in ("gdpa", "JFA", "padded SDPA") else [],
         )  # fmt: skip
         ms.update(part)
         timed = ", ".join(f"{n} {t:.4g} ms" for n, t in part.items())

@@ -102,6 +102,11 @@ ROWS_SWEEP = [
     T(amax_tile_elems=4096),
     T(amax_tile_elems=16384),
     T(amax_tile_elems=4096, amax_programs_per_sm=4),
+    T(amax_one_chunk_max_c=2048),  # the default before: chunked column amax past 2048 columns
+    T(amax_tile_elems=16384, num_warps=16),
+    T(wide_c=1 << 30),  # no wide launch: 1024 columns on 8 warps at every width
+    T(wide_block_c=4096),
+    T(wide_block_c=1024),
     T(transpose_block=64, transpose_warps=4),
     T(transpose_block=128, transpose_warps=4),
     T(transpose_block=128, transpose_warps=16),
@@ -132,17 +137,22 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
     for c in sorted({k for k, _ in shapes}):
         x = torch.randn(tokens, c, device=device).to(torch.bfloat16)
         mult = torch.ones(tokens, device=device)
-        amax_fields = ("amax_programs_per_sm", "amax_tile_elems")
+        amax_fields = ("amax_programs_per_sm", "amax_tile_elems", "amax_one_chunk_max_c")
+        wide_fields = ("wide_c", "wide_block_c", "wide_warps")
         transpose_fields = ("transpose_block", "transpose_warps")
         for variant, transposed, row_mult, unused in (
             ("rows", False, None, amax_fields + transpose_fields),
             ("rows+T", True, None, amax_fields),
-            ("rows+col amax", False, mult, transpose_fields),
+            ("rows+col amax", False, mult, transpose_fields + wide_fields),
         ):
             swept = set()
             for t in shapes_swept:
                 # tiles that differ only in fields this variant does not use: timed once
                 t = dataclasses.replace(t, **{f: getattr(T(), f) for f in unused})
+                if c < t.wide_c:  # rows this short never take the wide launch
+                    t = dataclasses.replace(
+                        t, wide_c=1 << 30, wide_block_c=T().wide_block_c, wide_warps=T().wide_warps
+                    )
                 if t in swept:
                     continue
                 swept.add(t)

@@ -132,11 +132,16 @@ def test_gpu_casts_match_reference_bit_for_bit(elem):
 
 
 @pytest.mark.gpu
-def test_gpu_rows_cast_of_a_tall_tensor_loops_over_row_blocks():
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(16384 + 40, 1024), (4096 + 40, 4096), (1024 + 8, 10000)]
+)
+def test_gpu_rows_cast_of_a_tall_tensor_loops_over_row_blocks(rows, cols):
     """Past 32 MiB the rows kernel's persistent programs take several row blocks each (and keep
-    the column amax over them): the G1 shapes' path, with and without the transposed copy."""
+    the column amax over them): the G1 shapes' path, with and without the transposed copy; at
+    4096 columns the wide launch and whole-row column amax, at 10000 (past both, not a power of
+    two) the chunked column amax."""
     gen = torch.Generator().manual_seed(6)
-    x = (torch.randn(16384 + 40, 1024, generator=gen) * 4).to(torch.bfloat16)
+    x = (torch.randn(rows, cols, generator=gen) * 4).to(torch.bfloat16)
     mult = _row_mult(x.shape[0], 7)
     for transposed, m in ((True, None), (False, mult)):
         got = cast_rows(x.cuda(), transposed=transposed, col_amax_row_mult=_to(m, "cuda"))
