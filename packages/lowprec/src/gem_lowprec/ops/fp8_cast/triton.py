@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from gem_lowprec._launch import launcher
 from gem_lowprec.formats import ElemFormat
 from gem_lowprec.ops.mx_quantize.triton import (
     INTERPRETING,
@@ -502,7 +501,7 @@ def cast_rows(
             blocks, launch = _INTERPRETER_BLOCK, {}
             grid = (min(triton.cdiv(R, blocks["BLOCK_R"]), _INTERPRETER_PROGRAMS),)
         mult = col_amax_row_mult if want_amax else scale
-        launcher(cast_rows_kernel)[grid](
+        cast_rows_kernel[grid](
             x_arg, mult, data, scale, col_amax, R, C, COL_AMAX=want_amax,
             ONE_CHUNK=C <= blocks["BLOCK_C"], **blocks, **constants, **launch,
         )  # fmt: skip
@@ -526,7 +525,7 @@ def transpose_bytes(src: torch.Tensor, *, tiles: RowsTiles | None = None) -> tor
         else:
             blocks, launch = _INTERPRETER_BLOCK, {}
         grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
-        launcher(transpose_bytes_kernel)[grid](src, dst, R, C, **blocks, **launch)
+        transpose_bytes_kernel[grid](src, dst, R, C, **blocks, **launch)
     return dst
 
 
@@ -546,11 +545,11 @@ def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = Non
         t = (tiles or _BOTH_TILES) if _on_gpu(x) else BothTiles(64, 64, 64, 64)
         launch = dict(num_warps=t.num_warps) if _on_gpu(x) else {}
         amax = torch.zeros(R + C, dtype=torch.int32, device=dev)
-        launcher(tile_amax_kernel)[(triton.cdiv(R, t.amax_r), triton.cdiv(C, t.amax_c))](
+        tile_amax_kernel[(triton.cdiv(R, t.amax_r), triton.cdiv(C, t.amax_c))](
             x_arg, amax, R, C, BLOCK_R=t.amax_r, BLOCK_C=t.amax_c,
             IN_BF16=constants["IN_BF16"], **launch,
         )  # fmt: skip
-        launcher(cast_both_kernel)[(triton.cdiv(R, t.block_r), triton.cdiv(C, t.block_c))](
+        cast_both_kernel[(triton.cdiv(R, t.block_r), triton.cdiv(C, t.block_c))](
             x_arg, amax, data, scale, data_t, scale_t, R, C, BLOCK_R=t.block_r,
             BLOCK_C=t.block_c, **constants, **launch,
         )  # fmt: skip
@@ -566,7 +565,7 @@ def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
         blocks = _blocks(x, _TILE_BLOCK)
         row_tiles = _AMAX_ROW_TILES if _on_gpu(x) else 1
         grid = (triton.cdiv(R, blocks["BLOCK_R"] * row_tiles), triton.cdiv(C, blocks["BLOCK_C"]))
-        launcher(column_amax_kernel)[grid](
+        column_amax_kernel[grid](
             x.view(torch.int16) if in_bf16 else x,
             col_amax if row_mult is None else row_mult,
             col_amax, R, C, ROW_TILES=row_tiles, HAS_MULT=row_mult is not None, IN_BF16=in_bf16,
@@ -588,7 +587,7 @@ def cast_columns(
         blocks = _blocks(x, _TILE_BLOCK)
         grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
         launch = dict(num_warps=8) if _on_gpu(x) else {}
-        launcher(cast_columns_kernel)[grid](
+        cast_columns_kernel[grid](
             x_arg, scale if row_mult is None else row_mult, col_amax.view(torch.int32), data_t,
             scale, R, C, HAS_MULT=row_mult is not None, **blocks, **constants, **launch,
         )  # fmt: skip
@@ -610,7 +609,7 @@ def mx_rowcol_k128(x: torch.Tensor, fmt: ElemFormat, *, scale_mode: str):
     if R and C:
         x_arg, constants = _common(x, fmt)
         launch = dict(num_warps=16) if _on_gpu(x) else {}
-        launcher(mx_rowcol_k128_kernel)[(R // 128, C // 128)](
+        mx_rowcol_k128_kernel[(R // 128, C // 128)](
             x_arg, data, scale, data_t, scale_t, R, C, RCEIL=scale_mode == "rceil",
             **constants, **launch,
         )  # fmt: skip

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from gem_lowprec._launch import launcher
 from gem_lowprec.formats import ElemFormat
 from gem_lowprec.ops.mx_quantize.reference import seed_key
 
@@ -543,7 +542,7 @@ def mx_quantize(
     if tile_2d:
         t = tiles or tile2d_tiles
         grid = (triton.cdiv(M // 32, t.tile_rows), triton.cdiv(K, t.block_k))
-        launcher(mx_quantize_tile2d_kernel)[grid](
+        mx_quantize_tile2d_kernel[grid](
             x_arg,
             row_data,
             row_scale,
@@ -559,7 +558,7 @@ def mx_quantize(
     else:
         t = tiles or rowcol_tiles
         grid = (triton.cdiv(M, t.block_m), triton.cdiv(K, t.block_k))
-        launcher(mx_quantize_rowcol_kernel)[grid](
+        mx_quantize_rowcol_kernel[grid](
             x_arg,
             row_data,
             row_scale,
@@ -606,7 +605,7 @@ def mx_quantize_merged_k128(
 def _launch_rows(x_arg, data, scale, group_scale, seed, tiles: RowsTiles, constants):
     n_blocks = x_arg.numel() // 32
     merge = group_scale is not None
-    launcher(mx_quantize_rows_kernel)[(triton.cdiv(n_blocks, tiles.blocks),)](
+    mx_quantize_rows_kernel[(triton.cdiv(n_blocks, tiles.blocks),)](
         x_arg,
         data,
         scale,

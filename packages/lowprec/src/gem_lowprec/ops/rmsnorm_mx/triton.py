@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from gem_lowprec._launch import launcher
 from gem_lowprec.formats import ElemFormat
 from gem_lowprec.ops.mx_quantize.triton import (
     INTERPRETING,
@@ -141,7 +140,7 @@ def rmsnorm_mx(
     block_m = min(tiles.block_m(N), triton.next_power_of_2(M))
     in_bf16 = x_MN.dtype == torch.bfloat16
     w_bf16 = weight_N.dtype == torch.bfloat16
-    launcher(rmsnorm_mx_kernel)[(triton.cdiv(M, block_m),)](
+    rmsnorm_mx_kernel[(triton.cdiv(M, block_m),)](
         x_MN.view(torch.int16) if in_bf16 else x_MN,
         weight_N.view(torch.int16) if w_bf16 else weight_N,
         data,
