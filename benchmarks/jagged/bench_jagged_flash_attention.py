@@ -261,6 +261,14 @@ def _sweep_variants(base, workload: str):
         "dq n32": r(base, dq_block_n=32),
         "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
         "fwd n128 s3": r(base, fwd_block_n=128),
+        "fwd m64 w4": r(base, fwd_block_m=64, fwd_warps=4),
+        "fwd m64 w4 n128 s2": r(base, fwd_block_m=64, fwd_warps=4, fwd_block_n=128, fwd_stages=2),
+        "dkdv n64 w4": r(base, dkdv_block_n=64, dkdv_warps=4),
+        "dkdv m32 n64 w4 s4": r(
+            base, dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4
+        ),
+        "dq m64 w4": r(base, dq_block_m=64, dq_warps=4),
+        "dq m64 w4 n128 s2": r(base, dq_block_m=64, dq_warps=4, dq_block_n=128),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles): against 128, and 4 warps
         del variants["dkdv n64"], variants["fwd n128 s3"]

@@ -64,9 +64,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
+from gem_jagged._intmath import cdiv
 from gem_jagged._jit import jit
 
 __all__ = ["TileWorkList", "query_tiles", "key_tiles", "tile_slot_bound", "clear_cache"]
@@ -273,7 +273,7 @@ def _launch_slots(kernel, inputs, scalars, *, num_slots, num_fields, device, **c
     """Run a slot kernel: ``kernel(*inputs, fields [F, W] int32, cost [W] int32, *scalars)``."""
     buffer = torch.empty(num_fields + 1, num_slots, dtype=torch.int32, device=device)
     fields_FW, cost_W = buffer[:num_fields], buffer[num_fields]
-    grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
+    grid = (cdiv(num_slots, _SLOTS_PER_PROGRAM),)
     kernel[grid](*inputs, fields_FW, cost_W, *scalars, SLOTS=_SLOTS_PER_PROGRAM, **constexprs)
     return fields_FW, cost_W
 
@@ -328,7 +328,7 @@ def _sorted(fields_FW, cost_W, block) -> TileWorkList:
         order_W = torch.argsort(cost_W, descending=True, stable=True)
         return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
     out_5W = torch.empty(5, num_slots, dtype=torch.int32, device=cost_W.device)
-    grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
+    grid = (cdiv(num_slots, _SLOTS_PER_PROGRAM),)
     _rank_scatter_kernel[grid](fields_FW, cost_W, out_5W, num_slots, SLOTS=_SLOTS_PER_PROGRAM)
     return TileWorkList(out_5W, block)
 

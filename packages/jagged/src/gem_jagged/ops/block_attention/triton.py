@@ -29,9 +29,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
+from gem_jagged._intmath import cdiv, next_power_of_2
 from gem_jagged._jit import jit
 
 from ..gdpa._offsets_cache import OffsetsCache
@@ -234,10 +234,10 @@ def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B):
     num_seqs = offsets_Bp1.numel() - 1
     if block_ends_B is None:
         block_ends_B = block_table(offsets_Bp1, block_size)
-    grid = (triton.cdiv(q_TNH.shape[0], block_size) + num_seqs, q_TNH.shape[1])
+    grid = (cdiv(q_TNH.shape[0], block_size) + num_seqs, q_TNH.shape[1])
     flags = dict(
         H=q_TNH.shape[2], ROPE=rope_theta is not None,
-        BLOCK=max(16, triton.next_power_of_2(block_size)), IEEE=q_TNH.dtype == torch.float32,
+        BLOCK=max(16, next_power_of_2(block_size)), IEEE=q_TNH.dtype == torch.float32,
         SEARCH=_SEARCH,
     )  # fmt: skip
     log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0

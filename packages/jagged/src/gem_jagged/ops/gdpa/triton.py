@@ -32,9 +32,9 @@ synchronisation; programs past the real tile count exit at once):
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
+from gem_jagged._intmath import cdiv, next_power_of_2
 from gem_jagged._jit import jit
 
 from ..._worklist import TileWorkList, key_tiles, query_tiles
@@ -630,7 +630,7 @@ def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> Gd
 
 
 def _seed_block(num_seeds: int) -> int:
-    return max(16, min(64, triton.next_power_of_2(max(num_seeds, 1))))
+    return max(16, min(64, next_power_of_2(max(num_seeds, 1))))
 
 
 def _seed_offsets(kv_offsets: torch.Tensor, num_seeds: int) -> torch.Tensor:
@@ -709,7 +709,7 @@ def gdpa_forward(
             kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.pma_chunk,
             causal=causal, align=1,
         )  # fmt: skip
-        grid = (pma_work.num_slots, num_heads, triton.cdiv(num_seeds, seed_block))
+        grid = (pma_work.num_slots, num_heads, cdiv(num_seeds, seed_block))
         block_m, kv_chunk = seed_block, tiles.pma_chunk
         q_offsets_Bp1 = kv_offsets_Bp1
         launch_work = pma_work
@@ -753,7 +753,7 @@ def gdpa_backward(
     has_bias = rel_bias_NB is not None
     bias = rel_bias_NB.contiguous() if has_bias else q_TNH
     num_buckets = rel_bias_NB.shape[1] if has_bias else 1
-    nb_pow2 = triton.next_power_of_2(num_buckets)
+    nb_pow2 = next_power_of_2(num_buckets)
     radius = (num_buckets - 1) // 2
     common = dict(
         H=head_dim, ACT=activation_code(activation, q_TNH.dtype, q_TNH.device), CAUSAL=causal, HAS_BIAS=has_bias,

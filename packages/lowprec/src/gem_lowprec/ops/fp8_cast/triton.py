@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from gem_lowprec._intmath import cdiv, next_power_of_2
 from gem_lowprec.formats import ElemFormat
 from gem_lowprec.ops.mx_quantize.triton import (
     INTERPRETING,
@@ -485,7 +486,7 @@ def cast_rows(
             t = tiles or _ROWS_TILES
             block_r, block_c, warps = t.block_r, t.block_c, t.num_warps
             if want_amax and C <= t.amax_one_chunk_max_c:  # whole rows per chunk
-                block_c = triton.next_power_of_2(C)
+                block_c = next_power_of_2(C)
                 block_r = max(1, t.amax_tile_elems // block_c)
             elif not want_amax and C >= t.wide_c:
                 block_c, warps = t.wide_block_c, t.wide_warps
@@ -494,12 +495,12 @@ def cast_rows(
             programs = max(wave, sms)
             if want_amax:
                 programs = min(programs, t.amax_programs_per_sm * sms)
-            grid = (min(triton.cdiv(R, block_r), programs),)
+            grid = (min(cdiv(R, block_r), programs),)
             blocks = {"BLOCK_R": block_r, "BLOCK_C": block_c}
             launch = dict(num_warps=warps)
         else:  # few programs, so that each loops over several row blocks as on a GPU
             blocks, launch = _INTERPRETER_BLOCK, {}
-            grid = (min(triton.cdiv(R, blocks["BLOCK_R"]), _INTERPRETER_PROGRAMS),)
+            grid = (min(cdiv(R, blocks["BLOCK_R"]), _INTERPRETER_PROGRAMS),)
         mult = col_amax_row_mult if want_amax else scale
         cast_rows_kernel[grid](
             x_arg, mult, data, scale, col_amax, R, C, COL_AMAX=want_amax,
@@ -524,7 +525,7 @@ def transpose_bytes(src: torch.Tensor, *, tiles: RowsTiles | None = None) -> tor
             launch = dict(num_warps=t.transpose_warps)
         else:
             blocks, launch = _INTERPRETER_BLOCK, {}
-        grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
+        grid = (cdiv(R, blocks["BLOCK_R"]), cdiv(C, blocks["BLOCK_C"]))
         transpose_bytes_kernel[grid](src, dst, R, C, **blocks, **launch)
     return dst
 
@@ -545,11 +546,11 @@ def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = Non
         t = (tiles or _BOTH_TILES) if _on_gpu(x) else BothTiles(64, 64, 64, 64)
         launch = dict(num_warps=t.num_warps) if _on_gpu(x) else {}
         amax = torch.zeros(R + C, dtype=torch.int32, device=dev)
-        tile_amax_kernel[(triton.cdiv(R, t.amax_r), triton.cdiv(C, t.amax_c))](
+        tile_amax_kernel[(cdiv(R, t.amax_r), cdiv(C, t.amax_c))](
             x_arg, amax, R, C, BLOCK_R=t.amax_r, BLOCK_C=t.amax_c,
             IN_BF16=constants["IN_BF16"], **launch,
         )  # fmt: skip
-        cast_both_kernel[(triton.cdiv(R, t.block_r), triton.cdiv(C, t.block_c))](
+        cast_both_kernel[(cdiv(R, t.block_r), cdiv(C, t.block_c))](
             x_arg, amax, data, scale, data_t, scale_t, R, C, BLOCK_R=t.block_r,
             BLOCK_C=t.block_c, **constants, **launch,
         )  # fmt: skip
@@ -564,7 +565,7 @@ def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
         in_bf16 = x.dtype == torch.bfloat16
         blocks = _blocks(x, _TILE_BLOCK)
         row_tiles = _AMAX_ROW_TILES if _on_gpu(x) else 1
-        grid = (triton.cdiv(R, blocks["BLOCK_R"] * row_tiles), triton.cdiv(C, blocks["BLOCK_C"]))
+        grid = (cdiv(R, blocks["BLOCK_R"] * row_tiles), cdiv(C, blocks["BLOCK_C"]))
         column_amax_kernel[grid](
             x.view(torch.int16) if in_bf16 else x,
             col_amax if row_mult is None else row_mult,
@@ -585,7 +586,7 @@ def cast_columns(
     if R and C:
         x_arg, constants = _common(x, fmt)
         blocks = _blocks(x, _TILE_BLOCK)
-        grid = (triton.cdiv(R, blocks["BLOCK_R"]), triton.cdiv(C, blocks["BLOCK_C"]))
+        grid = (cdiv(R, blocks["BLOCK_R"]), cdiv(C, blocks["BLOCK_C"]))
         launch = dict(num_warps=8) if _on_gpu(x) else {}
         cast_columns_kernel[grid](
             x_arg, scale if row_mult is None else row_mult, col_amax.view(torch.int32), data_t,

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from gem_lowprec._intmath import cdiv
 from gem_lowprec.formats import ElemFormat
 from gem_lowprec.ops.mx_quantize.reference import seed_key
 
@@ -541,7 +542,7 @@ def mx_quantize(
     )
     if tile_2d:
         t = tiles or tile2d_tiles
-        grid = (triton.cdiv(M // 32, t.tile_rows), triton.cdiv(K, t.block_k))
+        grid = (cdiv(M // 32, t.tile_rows), cdiv(K, t.block_k))
         mx_quantize_tile2d_kernel[grid](
             x_arg,
             row_data,
@@ -557,7 +558,7 @@ def mx_quantize(
         _launch_rows(x_arg, row_data, row_scale, None, seed, tiles or rows_tiles, constants)
     else:
         t = tiles or rowcol_tiles
-        grid = (triton.cdiv(M, t.block_m), triton.cdiv(K, t.block_k))
+        grid = (cdiv(M, t.block_m), cdiv(K, t.block_k))
         mx_quantize_rowcol_kernel[grid](
             x_arg,
             row_data,
@@ -605,7 +606,7 @@ def mx_quantize_merged_k128(
 def _launch_rows(x_arg, data, scale, group_scale, seed, tiles: RowsTiles, constants):
     n_blocks = x_arg.numel() // 32
     merge = group_scale is not None
-    mx_quantize_rows_kernel[(triton.cdiv(n_blocks, tiles.blocks),)](
+    mx_quantize_rows_kernel[(cdiv(n_blocks, tiles.blocks),)](
         x_arg,
         data,
         scale,

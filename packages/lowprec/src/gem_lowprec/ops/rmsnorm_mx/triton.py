@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from gem_lowprec._intmath import cdiv, next_power_of_2
 from gem_lowprec.formats import ElemFormat
 from gem_lowprec.ops.mx_quantize.triton import (
     INTERPRETING,
@@ -107,7 +108,7 @@ class RmsnormTiles:
     num_warps: int = 4
 
     def block_m(self, n_features: int) -> int:
-        return max(1, self.elements // (triton.next_power_of_2(n_features // 32) * 32))
+        return max(1, self.elements // (next_power_of_2(n_features // 32) * 32))
 
 
 # On a GPU the dataclass defaults, the fastest of the benchmark's sweep on an H200 (2026-11-29,
@@ -137,10 +138,10 @@ def rmsnorm_mx(
         return data, scale, y
     if tiles is None:
         tiles = INTERPRETER_TILES if INTERPRETING or not x_MN.is_cuda else GPU_TILES
-    block_m = min(tiles.block_m(N), triton.next_power_of_2(M))
+    block_m = min(tiles.block_m(N), next_power_of_2(M))
     in_bf16 = x_MN.dtype == torch.bfloat16
     w_bf16 = weight_N.dtype == torch.bfloat16
-    rmsnorm_mx_kernel[(triton.cdiv(M, block_m),)](
+    rmsnorm_mx_kernel[(cdiv(M, block_m),)](
         x_MN.view(torch.int16) if in_bf16 else x_MN,
         weight_N.view(torch.int16) if w_bf16 else weight_N,
         data,
@@ -150,7 +151,7 @@ def rmsnorm_mx(
         N,
         eps,
         BLOCK_M=block_m,
-        NB=triton.next_power_of_2(N // 32),
+        NB=next_power_of_2(N // 32),
         RCEIL=scale_mode == "rceil",
         HW_CONVERT=use_hw_convert(x_MN, False),
         IN_BF16=in_bf16,
