@@ -255,26 +255,23 @@ def _sweep_variants(base, workload: str):
     r = dataclasses.replace
     variants = {
         "default": base,
-        "dkdv m32": r(base, dkdv_block_m=32),
-        "dkdv n64": r(base, dkdv_block_n=64),
-        "dkdv s2": r(base, dkdv_stages=2),
-        "dq n32": r(base, dq_block_n=32),
-        "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
-        "fwd n128 s3": r(base, fwd_block_n=128),
-        "fwd m64 w4": r(base, fwd_block_m=64, fwd_warps=4),
-        "fwd m64 w4 n128 s2": r(base, fwd_block_m=64, fwd_warps=4, fwd_block_n=128, fwd_stages=2),
-        "dkdv n64 w4": r(base, dkdv_block_n=64, dkdv_warps=4),
-        "dkdv m32 n64 w4 s4": r(
-            base, dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4
+        "fwd+dq m128 w8, dkdv s3 (the default before)": r(
+            base, fwd_block_m=128, fwd_warps=8, dq_block_m=128, dq_warps=8, dkdv_stages=3
         ),
-        "dq m64 w4": r(base, dq_block_m=64, dq_warps=4),
-        "dq m64 w4 n128 s2": r(base, dq_block_m=64, dq_warps=4, dq_block_n=128),
+        "fwd s2": r(base, fwd_stages=2),
+        "fwd s4": r(base, fwd_stages=4),
+        "fwd+dq n32": r(base, fwd_block_n=32, dq_block_n=32),
+        "dkdv m32": r(base, dkdv_block_m=32),
+        "dkdv s3": r(base, dkdv_stages=3),
+        "dq s3": r(base, dq_stages=3),
     }
-    if workload == "J3":  # the short-keys table (64-key dK/dV tiles): against 128, and 4 warps
-        del variants["dkdv n64"], variants["fwd n128 s3"]
+    if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
-            "dkdv n128": r(base, dkdv_block_n=128),
-            "fwd w4 dq w4": r(base, fwd_warps=4, dq_warps=4),
+            "dkdv m64 n64 w8 s2 (the J3 default before)": r(
+                base, dkdv_block_m=64, dkdv_warps=8, dkdv_stages=2
+            ),
+            "dkdv s3": r(base, dkdv_stages=3),
+            "dkdv m16": r(base, dkdv_block_m=16),
         }
     return variants
 

@@ -103,11 +103,14 @@ class JaggedAttentionConfig:
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
 _INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8)
 
-# bf16 / fp16 (2-byte elements).
+# bf16 / fp16 (2-byte elements). Head dim 128: 64-row query tiles on 4 warps for the forward and
+# dQ (one shared work list) and two dK/dV stages took J1's forward + backward from 1.30 to
+# 1.21 ms and J2's from 1.85 to 1.78 on an H200 (graph-replayed; docs/performance.md,
+# 2026-11-30).
 _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
-    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
+    128: JaggedAttentionConfig(64, 64, 4, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 4),
 }
 # float32 (4-byte elements, IEEE dots): half-height tiles, two stages; correctness, not speed.
 _GPU_CONFIGS_FP32 = {
@@ -117,12 +120,17 @@ _GPU_CONFIGS_FP32 = {
 }
 
 # bf16 / fp16 when the sequences average at most SHORT_KEYS keys (candidates, J3): a dK/dV
-# program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile.
-# Only dK/dV changes: the forward and dQ share one query tile height (and work list) with the
-# table above.
+# program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
+# at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
+# 0.195 ms on an H200). Only dK/dV changes: the forward and dQ share one query tile height (and
+# work list) with the table above.
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()
+} | {
+    128: dataclasses.replace(
+        _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4
+    )
 }
 
 
