@@ -190,7 +190,7 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "bwd dkdv m32 n128": dataclasses.replace(base, dkdv_m=32),
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
         "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),
-        "bwd dq m64 n64 w4": dataclasses.replace(base, dq_m=64, dq_warps=4),
+        "bwd dq m128 n64 w8 (the default before)": dataclasses.replace(base, dq_m=128, dq_warps=8),
         "work-list schedule (J3/J4)": dataclasses.replace(base, cross_schedule="work_list"),
         "cross chunks >= 1 tile (J3)": dataclasses.replace(base, cross_min_part_tiles=1),
         "cross chunks >= 2 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=2),

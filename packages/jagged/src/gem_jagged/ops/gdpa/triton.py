@@ -624,9 +624,12 @@ def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> Gd
         return FP32_TILES
     if head_dim <= 64:
         return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
+    # dQ on 64-row tiles, 4 warps: J1's forward + backward 1.15 -> 1.07 ms on an H200 (eager;
+    # 1.21 -> 1.14 graph-replayed; docs/performance.md, 2026-11-30)
     return GdpaTiles(
-        cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1, cross_fwd_split_target=4096
-    )
+        dq_m=64, dq_warps=4, cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1,
+        cross_fwd_split_target=4096,
+    )  # fmt: skip
 
 
 def _seed_block(num_seeds: int) -> int:
