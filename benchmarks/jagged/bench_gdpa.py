@@ -106,9 +106,14 @@ def jfa_fn(w, device):
         print(f"  JFA not importable: {exc}")
         return None
     q_off = common.offsets_of(w.q_lengths, device)
+    # the length hint JFA's own benchmark passes: without it this anchor replayed from a CUDA
+    # graph in 1.48 ms on J1, against 1.23 there (H200, docs/performance.md, 2026-11-30)
+    hint = int(w.q_lengths.max())
 
     def fn(q, k, v):
-        return jagged_flash_attention(q, k, v, q_off, causal=w.causal, backend="triton")
+        return jagged_flash_attention(
+            q, k, v, q_off, causal=w.causal, backend="triton", max_q_len=hint, max_kv_len=hint
+        )
 
     return fn
 
