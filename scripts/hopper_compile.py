@@ -113,7 +113,11 @@ def gpu_configs() -> _Patches:
     return _Patches(
         (jfa, "config_for", lambda hd, device, dtype, **kw: config_for(hd, FAKE_CUDA, dtype, **kw)),
         (jfa, "_sm_count", lambda device: SM_COUNT),
-        (gdpa, "default_tiles", lambda device, hd, dtype: tiles_for(FAKE_CUDA, hd, dtype)),
+        (
+            gdpa,
+            "default_tiles",
+            lambda device, hd, dtype, **kw: tiles_for(FAKE_CUDA, hd, dtype, **kw),
+        ),
         (gdpa, "activation_code", lambda act, dtype, device: act_code(act, dtype, FAKE_CUDA)),
         (fp8_cast, "_on_gpu", lambda x: True),
         (mx, "default_tiles", lambda device: mx.GPU_TILES),

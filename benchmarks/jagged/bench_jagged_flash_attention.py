@@ -255,7 +255,7 @@ def _sweep_variants(base, workload: str):
     r = dataclasses.replace
     variants = {
         "default": base,
-        "fwd+dq m128 w8, dkdv s3 (the default before)": r(
+        "fwd+dq m128 w8, dkdv s3 (the default before; with a bias, now)": r(
             base, fwd_block_m=128, fwd_warps=8, dq_block_m=128, dq_warps=8, dkdv_stages=3
         ),
         "fwd s2": r(base, fwd_stages=2),
@@ -294,7 +294,7 @@ def run_sweep(dtype, only=(), rel_bias_radius=None) -> None:
         )
         fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius)
         short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
-        table = jfa_triton._GPU_CONFIGS_SHORT_KEYS if short else jfa_triton._GPU_CONFIGS
+        table = jfa_triton.config_table(short_keys=short, rel_bias=rel_bias_radius is not None)
         base = table[HEAD_DIM]
         for name, cfg in _sweep_variants(base, w.name).items():
             table[HEAD_DIM] = cfg

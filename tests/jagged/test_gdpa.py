@@ -2,6 +2,7 @@
 against fp64, forward and every gradient, with the tolerance rule of DESIGN.md; the custom op
 (opcheck, torch.compile, CUDA graphs) and every input error."""
 
+import dataclasses
 import json
 import math
 import os
@@ -124,7 +125,7 @@ def test_gpu_tile_shapes_with_a_wide_bias_under_the_interpreter(monkeypatch, len
     gpu_tiles = gdpa_triton.GdpaTiles(
         fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64
     )  # default_tiles' bf16 choice for head dim 64
-    monkeypatch.setattr(gdpa_triton, "default_tiles", lambda *args: gpu_tiles)
+    monkeypatch.setattr(gdpa_triton, "default_tiles", lambda *args, **kwargs: gpu_tiles)
     case = _case(
         lengths, mode=mode, heads=2, head_dim=64, dtype=torch.float32, device="cpu", seed=5,
         bias=True, radius=40, kv_len=100,
@@ -509,3 +510,31 @@ def test_gpu_cuda_graph_capture(mode):
         torch.testing.assert_close(a, b)
     assert not torch.equal(fresh[0], expected[0])
     assert math.isfinite(float(fresh[0].float().abs().sum()))
+
+
+def test_the_launchers_pick_the_bias_tiles_with_a_bias(monkeypatch):
+    """With a relative bias, forward and backward ask ``default_tiles`` for the bias path's tiles
+    (at head dim 128 on a GPU its dQ keeps 128 rows on 8 warps: 64 on 4 spill with a bias), and
+    for the plain ones without; and the two differ only in the dQ tiles."""
+    from gem_jagged.ops.gdpa import triton as kernels
+
+    asked = []
+    default_tiles = kernels.default_tiles
+
+    def spy(*args, has_bias=False, **kwargs):
+        asked.append(has_bias)
+        return default_tiles(*args, has_bias=has_bias, **kwargs)
+
+    monkeypatch.setattr(kernels, "default_tiles", spy)
+    for bias in (True, False):
+        asked.clear()
+        case = _case(
+            [5, 9], mode="self", heads=2, head_dim=32, dtype=torch.float32, device="cpu", seed=2,
+            bias=bias,
+        )  # fmt: skip
+        _run(*case, dtype=torch.float32, backend="triton", activation="silu", causal=True)
+        assert asked == [bias, bias]
+    cuda = torch.device("cuda")
+    plain, with_bias = (default_tiles(cuda, 128, torch.bfloat16, has_bias=b) for b in (0, 1))
+    assert (plain.dq_m, plain.dq_warps, with_bias.dq_m, with_bias.dq_warps) == (64, 4, 128, 8)
+    assert plain == dataclasses.replace(with_bias, dq_m=64, dq_warps=4)

@@ -130,19 +130,54 @@ def test_relative_bias_off_the_band(lq, lk, causal, radius):
     _check_against_fp64(lq, lk, causal=causal, radius=radius, seed=11, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("table", ["plain", "plain, head dim 128", "short keys, head dim 128"])
 @pytest.mark.parametrize(
     ("lq", "lk", "causal"),
     [([300, 129, 1, 0, 450], None, True), ([200, 9, 0, 330], [130, 200, 3, 70], False)],
 )
-def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal):
-    """The bf16 GPU tiles (128 × 64 queries × keys, 64 × 128 for dK/dV, 64 bias diagonals per
-    skewed read) on the CPU, with R = 40: bias tiles of step 64, far, band and right-of-band tiles
-    and two skewed reads on the diagonal tile, as the GPU runs them."""
+def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal, table):
+    """The bf16 GPU tiles on the CPU, with R = 40: bias tiles of step 64, far, band and
+    right-of-band tiles and two skewed reads on the diagonal tile, as the GPU runs them. Head dims
+    32/64 (and 128 with a bias): 128 × 64 queries × keys, 64 × 128 for dK/dV. Head dim 128: 64 ×
+    64 for the forward and dQ (one work list), 64 × 128 or, for short keys, 32 × 64 for dK/dV."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 
-    gpu_config = jfa_triton._GPU_CONFIGS[32]
+    gpu_config = {
+        "plain": jfa_triton._GPU_CONFIGS[32],
+        "plain, head dim 128": jfa_triton._GPU_CONFIGS[128],
+        "short keys, head dim 128": jfa_triton._GPU_CONFIGS_SHORT_KEYS[128],
+    }[table]
     monkeypatch.setattr(jfa_triton, "config_for", lambda *args, **kwargs: gpu_config)
     _check_against_fp64(lq, lk or lq, causal=causal, radius=40, seed=5, dtype=torch.float32)
+
+
+def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
+    """Forward, dQ, dK/dV and the compiled op's fake shape all ask for the tiles of the bias path
+    when there is a bias (their work lists must agree), and for the plain ones without."""
+    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    asked = []
+    config_for = jfa_triton.config_for
+
+    def spy(*args, rel_bias=False, **kwargs):
+        asked.append(rel_bias)
+        return config_for(*args, rel_bias=rel_bias, **kwargs)
+
+    monkeypatch.setattr(jfa_triton, "config_for", spy)
+    for radius in (3, None):
+        asked.clear()
+        tensors, q_off, kv_off = _case(
+            [5, 11], [5, 11], heads=2, head_dim=32, radius=radius, seed=4, dtype=torch.float32
+        )
+        _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.float32)
+        with FakeTensorMode() as mode:  # the fake implementation a compiler traces
+            fake = {n: mode.from_tensor(t) for n, t in tensors.items()}
+            torch.ops.gem_jagged.jagged_flash_attention_fwd(
+                fake["q"], fake["k"], fake["v"], mode.from_tensor(q_off),
+                mode.from_tensor(kv_off), fake.get("rel_bias"), True, 0.1, None, "triton",
+            )  # fmt: skip
+        assert len(asked) == 4 and set(asked) == {radius is not None}, asked
 
 
 def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():

@@ -29,7 +29,7 @@ synchronisation; programs past the real tile count exit at once):
   reduces its interior diagonals from skewed reads of dS (``_accumulate_bias_grad``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -617,19 +617,26 @@ FP32_TILES = GdpaTiles(
 )  # fmt: skip
 
 
-def default_tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> GdpaTiles:
+def default_tiles(
+    device: torch.device, head_dim: int, dtype: torch.dtype, *, has_bias: bool = False
+) -> GdpaTiles:
     if device.type != "cuda":
         return INTERPRETER_TILES
     if dtype == torch.float32:
         return FP32_TILES
     if head_dim <= 64:
         return GdpaTiles(fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64)
+    tiles = GdpaTiles(
+        cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1, cross_fwd_split_target=4096
+    )
+    if has_bias:
+        # The dQ tiles below were measured without a bias; with one (R = 32) the dQ kernel's bias
+        # gradient spills 1,564 / 1,756 bytes at them, against 64 / 64 at 128 rows on 8 warps
+        # (ptxas, sm_90), so the bias path keeps the tiles it was measured with.
+        return tiles
     # dQ on 64-row tiles, 4 warps: J1's forward + backward 1.15 -> 1.07 ms on an H200 (eager;
     # 1.21 -> 1.14 graph-replayed; docs/performance.md, 2026-11-30)
-    return GdpaTiles(
-        dq_m=64, dq_warps=4, cross_fwd_m=64, cross_fwd_warps=4, cross_fwd_stages=1,
-        cross_fwd_split_target=4096,
-    )  # fmt: skip
+    return replace(tiles, dq_m=64, dq_warps=4)
 
 
 def _seed_block(num_seeds: int) -> int:
@@ -686,8 +693,8 @@ def gdpa_forward(
     """
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
-    tiles = tiles or default_tiles(q_TNH.device, head_dim, q_TNH.dtype)
     has_bias = rel_bias_NB is not None
+    tiles = tiles or default_tiles(q_TNH.device, head_dim, q_TNH.dtype, has_bias=has_bias)
     bias = rel_bias_NB.contiguous() if has_bias else q_TNH
     radius = (rel_bias_NB.shape[1] - 1) // 2 if has_bias else 0
     common = dict(
@@ -752,8 +759,8 @@ def gdpa_backward(
     do_TNH = do_TNH.contiguous()
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     num_heads, head_dim = k_TNH.shape[1], k_TNH.shape[2]
-    tiles = tiles or default_tiles(q_TNH.device, head_dim, q_TNH.dtype)
     has_bias = rel_bias_NB is not None
+    tiles = tiles or default_tiles(q_TNH.device, head_dim, q_TNH.dtype, has_bias=has_bias)
     bias = rel_bias_NB.contiguous() if has_bias else q_TNH
     num_buckets = rel_bias_NB.shape[1] if has_bias else 1
     nb_pow2 = next_power_of_2(num_buckets)

@@ -133,19 +133,38 @@ _GPU_CONFIGS_SHORT_KEYS = {
     )
 }
 
+# bf16 / fp16 with a relative bias: head dim 128 keeps the tiles the bias path was measured with
+# (J1 at R = 32, 184-193 useful TFLOP/s; docs/performance.md, 2026-11-29) until it is measured
+# with the ones above, which were measured without a bias. Its dQ kernel spills at either:
+# 144 / 156 bytes at 64 rows on 4 warps, 120 / 132 at 128 rows on 8 (ptxas, sm_90).
+_GPU_CONFIGS_BIAS = _GPU_CONFIGS | {
+    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4)
+}
+_GPU_CONFIGS_BIAS_SHORT_KEYS = {
+    hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS_BIAS.items()
+}
+
+
+def config_table(*, short_keys: bool, rel_bias: bool) -> dict[int, JaggedAttentionConfig]:
+    """The bf16/fp16 tile table (by head dim) for short keys or not, with a bias or not."""
+    if rel_bias:
+        return _GPU_CONFIGS_BIAS_SHORT_KEYS if short_keys else _GPU_CONFIGS_BIAS
+    return _GPU_CONFIGS_SHORT_KEYS if short_keys else _GPU_CONFIGS
+
 
 def config_for(
-    head_dim: int, device: torch.device, dtype: torch.dtype, *, keys_per_seq: float | None = None
-) -> JaggedAttentionConfig:
+    head_dim: int, device: torch.device, dtype: torch.dtype, *, keys_per_seq: float | None = None,
+    rel_bias: bool = False,
+) -> JaggedAttentionConfig:  # fmt: skip
     """The tile shapes for one head dim and element size (every tile 16 under the interpreter);
-    ``keys_per_seq`` (``Tk / B``, host-known) picks the short-keys table for bf16/fp16."""
+    for bf16/fp16 ``keys_per_seq`` (``Tk / B``, host-known) picks the short-keys tiles and
+    ``rel_bias`` those of the bias path."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     if dtype.itemsize > 2:
         return _GPU_CONFIGS_FP32[head_dim]
-    if keys_per_seq is not None and keys_per_seq <= SHORT_KEYS:
-        return _GPU_CONFIGS_SHORT_KEYS[head_dim]
-    return _GPU_CONFIGS[head_dim]
+    short_keys = keys_per_seq is not None and keys_per_seq <= SHORT_KEYS
+    return config_table(short_keys=short_keys, rel_bias=rel_bias)[head_dim]
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -712,7 +731,7 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     the compiler may reuse once it is dead.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device, q.dtype)
+    cfg = config_for(head_dim, q.device, q.dtype, rel_bias=rel_bias is not None)
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
@@ -735,9 +754,9 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     return out, lse, work.packed_5W
 
 
-def forward_work_slots(q: torch.Tensor, num_seqs: int) -> int:
+def forward_work_slots(q: torch.Tensor, num_seqs: int, *, rel_bias: bool) -> int:
     """Slots of the forward's query work list (host shapes only; for fake tensors too)."""
-    cfg = config_for(q.shape[2], q.device, q.dtype)
+    cfg = config_for(q.shape[2], q.device, q.dtype, rel_bias=rel_bias)
     return tile_slot_bound(q.shape[0], num_seqs, cfg.fwd_block_m)
 
 
@@ -767,7 +786,10 @@ def backward_dkdv(
     work list, long query ranges split."""
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
-    cfg = config_for(head_dim, q.device, q.dtype, keys_per_seq=k.shape[0] / max(num_seqs, 1))
+    cfg = config_for(
+        head_dim, q.device, q.dtype, keys_per_seq=k.shape[0] / max(num_seqs, 1),
+        rel_bias=rel_bias is not None,
+    )  # fmt: skip
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
     if max_q_len is None:  # no hint: the offsets' host check may know the longest sequence
         lengths = checked_length_range(q_offsets)
@@ -820,7 +842,7 @@ def backward_dq(
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device, q.dtype)
+    cfg = config_for(head_dim, q.device, q.dtype, rel_bias=rel_bias is not None)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     radius = _radius(rel_bias)
