@@ -349,12 +349,15 @@ if __name__ == "__main__":
         "--quick", action="store_true", help="only the rows the goals name (< 1 min on an H200)"
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated workloads to run (default: all), e.g. J1,J3"
-    )
+        "--only", nargs="+", default=[], metavar="J",
+        help="workloads to run (default: all), e.g. J1 J3 or J1,J3",
+    )  # fmt: skip
     parser.add_argument(
         "--rel-bias", type=common.radius, default=None, metavar="R",
         help="the project learns a relative bias of radius R (gem-small: 32); anchors have none",
     )  # fmt: skip
     args = parser.parse_args()
-    only = tuple(name for name in args.only.split(",") if name)
+    only = tuple(name for value in args.only for name in value.split(",") if name)
+    if unknown := set(only) - {"J1", "J2", "J3"}:
+        parser.error(f"--only: unknown workload(s) {sorted(unknown)}; choose from J1, J2, J3")
     run(args.smoke, args.sweep, args.project_only, args.quick, only, args.rel_bias)
