@@ -131,6 +131,29 @@ def test_gpu_casts_match_reference_bit_for_bit(elem):
     _check_all(elem, "cuda", "auto")
 
 
+@pytest.mark.parametrize("cols", [1024, 4096, 8192, 10000])
+def test_gpu_launch_shapes_of_the_rows_cast_under_the_interpreter(monkeypatch, cols):
+    """The rows cast's GPU launch shapes, run by the interpreter: at 1024 columns 16-row chunks;
+    from 4096 the wide launch (2048-column chunks); with a column amax, whole rows per chunk up
+    to 8192 (2 rows a chunk at 4096, 1 at 8192) and chunks with atomics past it (10000). The
+    encoder stays the integer one (the interpreter's fp8 cast rounds wrongly)."""
+    from gem_lowprec.ops.fp8_cast import triton as kernels
+
+    constants = kernels._constants
+    monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 2)  # a few persistent programs
+    monkeypatch.setattr(
+        kernels, "_constants", lambda fmt, on_gpu, bf16: constants(fmt, False, bf16)
+    )
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(37, cols, generator=gen) * 4).to(torch.bfloat16)
+    mult = _row_mult(x.shape[0], 3)
+    for transposed, m in ((True, None), (False, mult)):
+        got = kernels.cast_rows(x, E4M3, transposed=transposed, col_amax_row_mult=m)
+        want = cast_rows(x, transposed=transposed, col_amax_row_mult=m, backend="reference")
+        _assert_same(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("rows", "cols"), [(16384 + 40, 1024), (4096 + 40, 4096), (1024 + 8, 10000)]
