@@ -47,6 +47,20 @@ from .triton import (
 
 
 @jit
+def _key_stops(q_start, kv_len, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """``(kv_mid, kv_hi)`` for the query tile at ``q_start``: key blocks ``[0, kv_mid)`` are seen
+    whole by every row of the tile (no mask), ``[kv_mid, kv_hi)`` cross the causal diagonal, the
+    rest are above it."""
+    kv_hi = kv_len
+    kv_mid = kv_len
+    if CAUSAL:
+        kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
+        kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
+    return kv_mid, kv_hi
+
+
+@jit
 def _gdpa_fwd_seq_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, rel_bias_ptr, q_offsets_ptr, kv_offsets_ptr,
     stride_qt, stride_kt, stride_vt, stride_ot,
@@ -103,11 +117,7 @@ def _gdpa_fwd_seq_kernel(
         # Cross-attention over longer keys: query tiles part, part + SPLIT, ... each stream the
         # key tiles.
         for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
-            kv_hi = kv_len
-            kv_mid = kv_len
-            if CAUSAL:
-                kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
-                kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
+            kv_mid, kv_hi = _key_stops(q_start, kv_len, diag, CAUSAL, BLOCK_M, BLOCK_N)
             offs_m = q_start + tl.arange(0, BLOCK_M)
             q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
             acc_MH = tl.zeros((BLOCK_M, H), tl.float32)
@@ -243,11 +253,7 @@ def _gdpa_bwd_dq_seq_kernel(
     left_M = tl.zeros((BLOCK_M,), tl.float32)
     right_M = tl.zeros((BLOCK_M,), tl.float32)
     for q_start in range(part * BLOCK_M, q_len, SPLIT * BLOCK_M):
-        kv_hi = kv_len
-        kv_mid = kv_len
-        if CAUSAL:
-            kv_hi = tl.minimum(tl.maximum(q_start + BLOCK_M + diag, 0), kv_len)
-            kv_mid = tl.minimum(tl.maximum(q_start + diag + 1, 0), kv_hi) // BLOCK_N * BLOCK_N
+        kv_mid, kv_hi = _key_stops(q_start, kv_len, diag, CAUSAL, BLOCK_M, BLOCK_N)
         offs_m = q_start + tl.arange(0, BLOCK_M)
         q_MH = _load_rows(q_ptr, q_begin, offs_m, q_len, stride_qt, head_col)
         do_MH = _load_rows(do_ptr, q_begin, offs_m, q_len, stride_dot, head_col)
