@@ -49,21 +49,7 @@ SWEEP = {
     "merge_k128": [RowsTiles(b, w) for b, w in [(128, 4), (256, 8)]],
     "tile2d": [Tile2dTiles(k, w) for k, w in [(128, 4), (256, 4), (512, 8), (1024, 8)]],
     "rowcol": [RowColTiles(m, k, w) for m, k, w in [(32, 128, 4), (64, 64, 4), (64, 128, 8)]],
-    "rmsnorm": [RmsnormTiles(e, w) for e, w in [(2048, 2), (2048, 4), (4096, 4), (8192, 4)]]
-    + [  # persistent: programs per SM looping over row blocks, loads of num_stages blocks ahead
-        RmsnormTiles(e, w, programs_per_sm=p, num_stages=s)
-        for e, w, p, s in [
-            (4096, 4, 4, 1),
-            (4096, 4, 4, 2),
-            (4096, 4, 6, 2),
-            (2048, 4, 8, 2),
-            (2048, 4, 8, 3),
-            (2048, 4, 12, 3),
-            (2048, 2, 16, 2),
-            (1024, 2, 16, 3),
-            (8192, 8, 2, 2),
-        ]
-    ],
+    "rmsnorm": [RmsnormTiles(e, w) for e, w in [(2048, 2), (2048, 4), (4096, 4), (8192, 4)]],
 }
 SMOKE_SWEEP = {  # one interpreted call each: a few large programs
     "rows": [RowsTiles(512, 4)],

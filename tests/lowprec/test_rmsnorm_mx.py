@@ -78,16 +78,3 @@ def test_gpu_fused_kernel_bit_exact_on_its_activation():
         assert torch.equal(data.cpu(), ref_data) and torch.equal(
             scale.cpu(), ref_scale.contiguous()
         )
-
-
-@pytest.mark.parametrize("num_stages", [1, 2])
-def test_programs_looping_over_row_blocks_match_one_program_per_block(num_stages):
-    """The persistent launch (fewer programs than row blocks, each looping) writes the same bytes
-    as one program per block, uneven loop counts and a ragged last block included."""
-    gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(37, 256, generator=gen) * 2).to(torch.bfloat16)
-    w = (torch.rand(256, generator=gen) + 0.5).to(torch.bfloat16)
-    one_each = kernels.rmsnorm_mx(x, w, 1e-6, E4M3, "rceil", tiles=kernels.RmsnormTiles(2048, 4))
-    looping = kernels.RmsnormTiles(2048, 4, programs_per_sm=2, num_stages=num_stages)
-    looped = kernels.rmsnorm_mx(x, w, 1e-6, E4M3, "rceil", tiles=looping)
-    assert torch.equal(looped[0], one_each[0]) and torch.equal(looped[1], one_each[1])

@@ -10,14 +10,11 @@ Stages: (1) load the rows once and widen to float32, and the weight once per pro
 (2) ``rstd = 1/sqrt(mean(x²) + eps)`` per row and ``y = x · rstd · weight``; (3) per 32-element
 block, the amax of ``|y|`` bit patterns gives the E8M0 byte and ``y`` is encoded exactly like
 ``to_mx`` does (the shared ``encode`` of the quantize kernels); (4) store the fp8 bytes and the
-``[BM, NB]`` scale bytes (contiguous rows of the ``[M, Nb]`` scale matrix). A program takes one
-row block, or (``PERSISTENT``, fewer programs than blocks) loops over blocks strided by the grid
-with the loads of ``NUM_STAGES`` blocks in flight. ``STORE_Y`` (tests
+``[BM, NB]`` scale bytes (contiguous rows of the ``[M, Nb]`` scale matrix). ``STORE_Y`` (tests
 only) also writes the float32 ``y`` so the quantization can be checked bit for bit against the
 reference.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,106 +57,18 @@ def rmsnorm_mx_kernel(
     W_BF16: tl.constexpr,
     STORE_Y: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
-    # The weight as [NB, 32], once per program.
-    blk_NB = tl.arange(0, NB)
-    cols_NB32 = blk_NB[:, None] * 32 + tl.arange(0, 32)[None, :]
-    col_ok_NB32 = cols_NB32 < N
-    w_NB32 = load_as_float32(w_ptr + cols_NB32, col_ok_NB32, W_BF16)
-    if PERSISTENT:  # row blocks strided over the programs, loads NUM_STAGES blocks ahead
-        for row_block in tl.range(
-            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES
-        ):
-            _rmsnorm_mx_rows(
-                x_ptr,
-                data_ptr,
-                scale_ptr,
-                y_ptr,
-                w_NB32,
-                row_block,
-                M,
-                N,
-                eps,
-                BLOCK_M,
-                NB,
-                E4M3,
-                MBITS,
-                EMIN,
-                EMAX_EXP,
-                MAX_BITS,
-                MAX_VALUE,
-                NAN_BITS,
-                RCEIL,
-                HW_CONVERT,
-                IN_BF16,
-                STORE_Y,
-                WIDE_INDEX,
-            )
-    else:  # one row block per program (no loop: 71 registers against 96 with one)
-        _rmsnorm_mx_rows(
-            x_ptr,
-            data_ptr,
-            scale_ptr,
-            y_ptr,
-            w_NB32,
-            tl.program_id(0),
-            M,
-            N,
-            eps,
-            BLOCK_M,
-            NB,
-            E4M3,
-            MBITS,
-            EMIN,
-            EMAX_EXP,
-            MAX_BITS,
-            MAX_VALUE,
-            NAN_BITS,
-            RCEIL,
-            HW_CONVERT,
-            IN_BF16,
-            STORE_Y,
-            WIDE_INDEX,
-        )
-
-
-@triton.jit
-def _rmsnorm_mx_rows(
-    x_ptr,
-    data_ptr,
-    scale_ptr,
-    y_ptr,
-    w_NB32,
-    row_block,
-    M,
-    N,
-    eps,
-    BLOCK_M: tl.constexpr,
-    NB: tl.constexpr,
-    E4M3: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    EMAX_EXP: tl.constexpr,
-    MAX_BITS: tl.constexpr,
-    MAX_VALUE: tl.constexpr,
-    NAN_BITS: tl.constexpr,
-    RCEIL: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-    IN_BF16: tl.constexpr,
-    STORE_Y: tl.constexpr,
-    WIDE_INDEX: tl.constexpr,
-):
-    # Stage 1: the block's rows as [BM, NB, 32].
-    rows_BM = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Stage 1: the program's rows as [BM, NB, 32], the weight as [NB, 32].
+    rows_BM = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if WIDE_INDEX:
         rows_BM = rows_BM.to(tl.int64)
     blk_NB = tl.arange(0, NB)
     cols_NB32 = blk_NB[:, None] * 32 + tl.arange(0, 32)[None, :]
+    col_ok_NB32 = cols_NB32 < N
     offs = rows_BM[:, None, None] * N + cols_NB32[None, :, :]
-    mask = (rows_BM[:, None, None] < M) & (cols_NB32 < N)[None, :, :]
+    mask = (rows_BM[:, None, None] < M) & col_ok_NB32[None, :, :]
     x = load_as_float32(x_ptr + offs, mask, IN_BF16)
+    w_NB32 = load_as_float32(w_ptr + cols_NB32, col_ok_NB32, W_BF16)
     # Stage 2: sum of squares per row, normalize in float32 (the reference's order of products).
     sum_sq_BM = tl.sum(tl.sum(x * x, axis=2), axis=1)
     rstd_BM = 1.0 / tl.sqrt(sum_sq_BM / N + eps)
@@ -193,16 +102,10 @@ def _rmsnorm_mx_rows(
 
 @dataclass(frozen=True)
 class RmsnormTiles:
-    """Launch shape: about ``elements`` tile elements per program (whole rows), ``num_warps``.
-
-    ``programs_per_sm`` 0 launches one program per row block; otherwise at most that many
-    programs per SM (one on the CPU) loop over the row blocks, with ``num_stages`` of loads in
-    flight."""
+    """Launch shape: about ``elements`` tile elements per program (whole rows), ``num_warps``."""
 
     elements: int = 4096
     num_warps: int = 4
-    programs_per_sm: int = 0
-    num_stages: int = 1
 
     def block_m(self, n_features: int) -> int:
         return max(1, self.elements // (next_power_of_2(n_features // 32) * 32))
@@ -210,16 +113,11 @@ class RmsnormTiles:
 
 # On a GPU the dataclass defaults, the fastest of the benchmark's sweep on an H200 (2026-11-29,
 # Q3 [32768, 1024]: 4096 elements/4 warps 31.5 us; 8192/4 34.5; 8192/8 41.7; 16384/8 40.3).
+# Replayed from a CUDA graph (2026-11-30): 4096/4 34.1 us, 2048/2 33.2, 2048/4 34.8, 8192/4 38.0;
+# persistent programs looping over row blocks with pipelined loads were no faster (32.3-50.7).
 # Under the interpreter a few thousand elements per program keep numpy's arrays small.
 GPU_TILES = RmsnormTiles()
 INTERPRETER_TILES = RmsnormTiles(elements=2048, num_warps=4)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rmsnorm_mx(
@@ -243,12 +141,9 @@ def rmsnorm_mx(
     if tiles is None:
         tiles = INTERPRETER_TILES if INTERPRETING or not x_MN.is_cuda else GPU_TILES
     block_m = min(tiles.block_m(N), next_power_of_2(M))
-    programs = cdiv(M, block_m)
-    if tiles.programs_per_sm:
-        programs = min(programs, tiles.programs_per_sm * _sm_count(dev))
     in_bf16 = x_MN.dtype == torch.bfloat16
     w_bf16 = weight_N.dtype == torch.bfloat16
-    rmsnorm_mx_kernel[(programs,)](
+    rmsnorm_mx_kernel[(cdiv(M, block_m),)](
         x_MN.view(torch.int16) if in_bf16 else x_MN,
         weight_N.view(torch.int16) if w_bf16 else weight_N,
         data,
@@ -265,8 +160,6 @@ def rmsnorm_mx(
         W_BF16=w_bf16,
         STORE_Y=store_y,
         WIDE_INDEX=x_MN.numel() >= 2**31 - 2**20,
-        PERSISTENT=programs < cdiv(M, block_m),
-        NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps,
         **format_constants(fmt),
     )
