@@ -7,7 +7,9 @@ fallback switched off so that the fp8 path itself is timed; then what the recipe
 measured fallback pick. Each step is timed eagerly (``do_bench``: what a training loop that
 waits on its host sees) and as CUDA-graph replays (the GPU's own time), beside the sum of its
 kernels' device times (``torch.profiler``) and the host time to issue one step. TFLOP/s counts
-3 · 2 · M · K · N per fwd+bwd; the speedups divide the BF16 anchor's time of the same column.
+3 · 2 · M · K · N per fwd+bwd. Each row alternates with the BF16 anchor for three rounds and
+its speedups divide the anchor's median by the row's, in the same column; the anchor's own row
+(the anchor against itself) shows how far apart two timings of the same step fall.
 
 Table 2 (breakdown): each fp8 path's kernels with their device µs per step and their share,
 from the profiler: what limits each recipe. ``--smoke`` runs tiny shapes on the CPU (emulated
@@ -68,20 +70,35 @@ def fwd_bwd(module, x, dy):
     return step
 
 
-def measure(bench, step, smoke: bool) -> dict:
-    """Eager ms, graph-replayed ms, device ms of the step's kernels, host ms to issue one step,
-    and the kernels themselves (name, device µs per step)."""
-    eager = bench(step)
+ROUNDS = 3
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def measure(bench, step, anchor_step, smoke: bool) -> dict:
+    """Eager and graph-replayed ms of ``step`` and of ``anchor_step``, alternated for ``ROUNDS``
+    rounds (medians: the GPU's speed drifts by up to 15% over a run, and a ratio should compare
+    neighbours); device ms of the step's kernels, host ms to issue one step, and the kernels
+    themselves (name, device µs per step)."""
     if smoke:
+        eager = bench(step)
         return dict(
-            eager=eager, graph=float("nan"), kernels=float("nan"), host=float("nan"), rows=[]
-        )
-    graph = bench(common.cuda_graph_of(step))
+            eager=eager, graph=float("nan"), anchor_eager=bench(anchor_step),
+            anchor_graph=float("nan"), kernels=float("nan"), host=float("nan"), rows=[],
+        )  # fmt: skip
+    replay, anchor_replay = common.cuda_graph_of(step), common.cuda_graph_of(anchor_step)
+    times = {"eager": [], "graph": [], "anchor_eager": [], "anchor_graph": []}
+    for _ in range(ROUNDS):
+        times["anchor_eager"].append(bench(anchor_step))
+        times["eager"].append(bench(step))
+        times["anchor_graph"].append(bench(anchor_replay))
+        times["graph"].append(bench(replay))
     rows = common.device_kernel_times(step, 5)
     host_us, _ = common.host_and_wall_us(step, 20)
     return dict(
-        eager=eager,
-        graph=graph,
+        **{name: median(values) for name, values in times.items()},
         kernels=sum(us for _, us, _ in rows) / 1e3,
         host=host_us / 1e3,
         rows=[(name, us) for name, us, _ in rows],
@@ -206,15 +223,16 @@ def main():
         base = LowPrecisionLinear(
             k, n, bias=False, recipe=Recipe(name="bf16"), device=device, dtype=torch.bfloat16
         )
-        anchor = measure(bench, fwd_bwd(base, x, dy), args.smoke)
+        anchor_step = fwd_bwd(base, x, dy)
         for label, rec in [("bf16 F.linear (anchor)", base.recipe), *variants]:
-            if label.startswith("bf16"):
-                got = anchor
+            if label.startswith("bf16"):  # the anchor against itself: the run's noise floor
+                got = measure(bench, anchor_step, anchor_step, args.smoke)
             else:
                 mod = LowPrecisionLinear(k, n, bias=False, recipe=rec, device=device, dtype=torch.bfloat16)  # fmt: skip
                 mod.weight.data.copy_(base.weight.data)
-                got = measure(bench, fwd_bwd(mod, x, dy), args.smoke)
-            eager_x, graph_x = anchor["eager"] / got["eager"], anchor["graph"] / got["graph"]
+                got = measure(bench, fwd_bwd(mod, x, dy), anchor_step, args.smoke)
+            eager_x = got["anchor_eager"] / got["eager"]
+            graph_x = got["anchor_graph"] / got["graph"]
             emit(totals, [shape, label, got["eager"], common.tflops(flops, got["eager"]), eager_x,
                           got["graph"], graph_x, got["kernels"], got["host"]])  # fmt: skip
             if rec.name != "bf16" and rec.fallback.measure_on_gpu is False:
