@@ -127,8 +127,34 @@ ROWS_SWEEP = [
     T(transpose_block=64, transpose_warps=4),
     T(transpose_block=128, transpose_warps=4),
     T(transpose_block=128, transpose_warps=16),
+    T(wide_block_r=8),
+    T(wide_l2_wave_mib=16),
+    T(wide_block_r=8, wide_l2_wave_mib=16),
+    T(wide_block_r=8, wide_l2_wave_mib=24),
+    T(wide_block_r=32),
 ]
 BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(32, 256, 32, 128, 4)]
+C = fp8_kernels.ColumnTiles
+COLUMN_SWEEP = [
+    C(),
+    C(amax_row_tiles=2),
+    C(amax_row_tiles=4),
+    C(amax_row_tiles=16),
+    C(amax_warps=8),
+    C(block_c=256, amax_warps=8, cast_warps=8),
+    C(block_r=32, block_c=256, amax_row_tiles=8),
+    C(block_r=128, block_c=64, amax_warps=8, cast_warps=8),
+    C(block_r=128, block_c=128, amax_row_tiles=4, amax_warps=8, cast_warps=16),
+    C(cast_warps=4),
+]
+
+
+def changed(tiles) -> str:
+    """The fields of a launch shape that differ from its defaults ("defaults" when none)."""
+    default = type(tiles)()
+    fields = [f.name for f in dataclasses.fields(tiles)]
+    diff = [f"{f}={getattr(tiles, f)}" for f in fields if getattr(tiles, f) != getattr(default, f)]
+    return ", ".join(diff) or "defaults"
 
 
 def device_ms(fn) -> float:
@@ -155,7 +181,7 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
         x = torch.randn(tokens, c, device=device).to(torch.bfloat16)
         mult = torch.ones(tokens, device=device)
         amax_fields = ("amax_programs_per_sm", "amax_tile_elems", "amax_one_chunk_max_c")
-        wide_fields = ("wide_c", "wide_block_c", "wide_warps")
+        wide_fields = ("wide_c", "wide_block_c", "wide_warps", "wide_block_r", "wide_l2_wave_mib")
         transpose_fields = ("transpose_block", "transpose_warps")
         for variant, transposed, row_mult, unused in (
             ("rows", False, None, amax_fields + transpose_fields),
@@ -168,7 +194,7 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
                 t = dataclasses.replace(t, **{f: getattr(T(), f) for f in unused})
                 if c < t.wide_c:  # rows this short never take the wide launch
                     t = dataclasses.replace(
-                        t, wide_c=1 << 30, wide_block_c=T().wide_block_c, wide_warps=T().wide_warps
+                        t, wide_c=1 << 30, **{f: getattr(T(), f) for f in wide_fields[1:]}
                     )
                 if t in swept:
                     continue
@@ -179,12 +205,23 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
                     )
                 )
                 moved = x.numel() * (3 + transposed * 2)
-                rows.append([f"{variant} [{tokens}x{c}]", str(t)[9:], ms, moved / ms / 1e9])
+                rows.append([f"{variant} [{tokens}x{c}]", changed(t), ms, moved / ms / 1e9])
+        # the column-wise cast: its amax pass, then its cast pass
+        for t in COLUMN_SWEEP if device == "cuda" else COLUMN_SWEEP[:1]:
+            amax_ms = device_ms(lambda t=t, x=x, m=mult: fp8_kernels.column_amax(x, m, tiles=t))
+            amax = fp8_kernels.column_amax(x, mult, tiles=t)
+            cast_ms = device_ms(
+                lambda t=t, x=x, a=amax, m=mult: fp8_kernels.cast_columns(
+                    x, e4m3, row_mult=m, col_amax=a, tiles=t
+                )
+            )
+            rows.append([f"col amax [{tokens}x{c}]", changed(t), amax_ms, x.numel() * 2 / amax_ms / 1e9])  # fmt: skip
+            rows.append([f"col cast [{tokens}x{c}]", changed(t), cast_ms, x.numel() * 3 / cast_ms / 1e9])  # fmt: skip
     for k, n in shapes:
         w = torch.randn(n, k, device=device).to(torch.bfloat16)
         for t in BOTH_SWEEP:
             ms = device_ms(lambda t=t, w=w: fp8_kernels.cast_both(w, e4m3, tiles=t))
-            rows.append([f"both [{n}x{k}]", str(t)[9:], ms, w.numel() * 6 / ms / 1e9])
+            rows.append([f"both [{n}x{k}]", changed(t), ms, w.numel() * 6 / ms / 1e9])
     common.print_table(
         "fp8 cast launch-shape sweep (device time)", ["cast", "tiles", "ms", "TB/s"], rows
     )

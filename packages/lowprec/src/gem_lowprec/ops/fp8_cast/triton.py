@@ -404,6 +404,8 @@ class RowsTiles:
     wide_c: int = 4096
     wide_block_c: int = 2048
     wide_warps: int = 16
+    wide_block_r: int = 16
+    wide_l2_wave_mib: int = 32
     l2_wave_mib: int = 32
     amax_programs_per_sm: int = 2  # with a column amax: fewer programs, fewer atomics per column
     # with a column amax over whole rows: elements per tile (the running-maximum tile stays in
@@ -427,10 +429,22 @@ class BothTiles:
     num_warps: int = 8
 
 
+@dataclass(frozen=True)
+class ColumnTiles:
+    """Column-wise cast of a tall tensor: the amax pass reads ``amax_row_tiles`` tiles of
+    ``[block_r, block_c]`` per program (one atomic per column and program) on ``amax_warps``;
+    the cast pass one tile per program on ``cast_warps``."""
+
+    block_r: int = 64
+    block_c: int = 128
+    amax_row_tiles: int = 8
+    amax_warps: int = 4
+    cast_warps: int = 8
+
+
 _ROWS_TILES = RowsTiles()
 _BOTH_TILES = BothTiles()
-_TILE_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 128}
-_AMAX_ROW_TILES = 8  # column amax: 512 rows per program, one atomic per column and program
+_COLUMN_TILES = ColumnTiles()
 # Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
 _INTERPRETER_BLOCK = {"BLOCK_R": 64, "BLOCK_C": 64}
 _INTERPRETER_PROGRAMS = 3
@@ -457,10 +471,6 @@ def _common(x: torch.Tensor, fmt: ElemFormat) -> tuple[torch.Tensor, dict]:
     return (x.view(torch.int16) if in_bf16 else x), _constants(fmt, _on_gpu(x), in_bf16)
 
 
-def _blocks(x: torch.Tensor, gpu: dict) -> dict:
-    return gpu if _on_gpu(x) else _INTERPRETER_BLOCK
-
-
 def cast_rows(
     x: torch.Tensor,
     fmt: ElemFormat,
@@ -484,14 +494,15 @@ def cast_rows(
         x_arg, constants = _common(x, fmt)
         if _on_gpu(x):
             t = tiles or _ROWS_TILES
-            block_r, block_c, warps = t.block_r, t.block_c, t.num_warps
+            block_r, block_c, warps, wave_mib = t.block_r, t.block_c, t.num_warps, t.l2_wave_mib
             if want_amax and C <= t.amax_one_chunk_max_c:  # whole rows per chunk
                 block_c = next_power_of_2(C)
                 block_r = max(1, t.amax_tile_elems // block_c)
             elif not want_amax and C >= t.wide_c:
-                block_c, warps = t.wide_block_c, t.wide_warps
+                block_r, block_c, warps = t.wide_block_r, t.wide_block_c, t.wide_warps
+                wave_mib = t.wide_l2_wave_mib
             sms = _sm_count(dev)
-            wave = (t.l2_wave_mib << 20) // (block_r * C * x.element_size())
+            wave = (wave_mib << 20) // (block_r * C * x.element_size())
             programs = max(wave, sms)
             if want_amax:
                 programs = min(programs, t.amax_programs_per_sm * sms)
@@ -557,26 +568,41 @@ def cast_both(x: torch.Tensor, fmt: ElemFormat, *, tiles: BothTiles | None = Non
     return data, scale, data_t, scale_t
 
 
-def column_amax(x: torch.Tensor, row_mult: torch.Tensor | None) -> torch.Tensor:
-    """float32 ``[C]``: ``max_r |x[r, c] · row_mult[r]|`` of a contiguous ``[R, C]``."""
+def _column_launch(x: torch.Tensor, tiles: ColumnTiles | None) -> ColumnTiles:
+    if _on_gpu(x):
+        return tiles or _COLUMN_TILES
+    b = _INTERPRETER_BLOCK
+    return ColumnTiles(b["BLOCK_R"], b["BLOCK_C"], amax_row_tiles=1)
+
+
+def column_amax(
+    x: torch.Tensor, row_mult: torch.Tensor | None, *, tiles: ColumnTiles | None = None
+) -> torch.Tensor:
+    """float32 ``[C]``: ``max_r |x[r, c] · row_mult[r]|`` of a contiguous ``[R, C]``. ``tiles``
+    overrides the GPU launch shape (benchmark sweeps)."""
     R, C = x.shape
     col_amax = torch.zeros(C, dtype=torch.int32, device=x.device)
     if R and C:
         in_bf16 = x.dtype == torch.bfloat16
-        blocks = _blocks(x, _TILE_BLOCK)
-        row_tiles = _AMAX_ROW_TILES if _on_gpu(x) else 1
-        grid = (cdiv(R, blocks["BLOCK_R"] * row_tiles), cdiv(C, blocks["BLOCK_C"]))
+        t = _column_launch(x, tiles)
+        launch = dict(num_warps=t.amax_warps) if _on_gpu(x) else {}
+        grid = (cdiv(R, t.block_r * t.amax_row_tiles), cdiv(C, t.block_c))
         column_amax_kernel[grid](
             x.view(torch.int16) if in_bf16 else x,
             col_amax if row_mult is None else row_mult,
-            col_amax, R, C, ROW_TILES=row_tiles, HAS_MULT=row_mult is not None, IN_BF16=in_bf16,
-            **blocks,
+            col_amax, R, C, BLOCK_R=t.block_r, BLOCK_C=t.block_c, ROW_TILES=t.amax_row_tiles,
+            HAS_MULT=row_mult is not None, IN_BF16=in_bf16, **launch,
         )  # fmt: skip
     return col_amax.view(torch.float32)
 
 
 def cast_columns(
-    x: torch.Tensor, fmt: ElemFormat, *, row_mult: torch.Tensor | None, col_amax: torch.Tensor
+    x: torch.Tensor,
+    fmt: ElemFormat,
+    *,
+    row_mult: torch.Tensor | None,
+    col_amax: torch.Tensor,
+    tiles: ColumnTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cast a contiguous ``[R, C]`` (rows times ``row_mult``) with one scale per column from
     ``col_amax`` (float32 ``[C]``). Returns (data uint8 ``[C, R]``, scale float32 ``[C]``)."""
@@ -585,9 +611,10 @@ def cast_columns(
     scale = torch.empty(C, dtype=torch.float32, device=x.device)
     if R and C:
         x_arg, constants = _common(x, fmt)
-        blocks = _blocks(x, _TILE_BLOCK)
-        grid = (cdiv(R, blocks["BLOCK_R"]), cdiv(C, blocks["BLOCK_C"]))
-        launch = dict(num_warps=8) if _on_gpu(x) else {}
+        t = _column_launch(x, tiles)
+        blocks = {"BLOCK_R": t.block_r, "BLOCK_C": t.block_c}
+        grid = (cdiv(R, t.block_r), cdiv(C, t.block_c))
+        launch = dict(num_warps=t.cast_warps) if _on_gpu(x) else {}
         cast_columns_kernel[grid](
             x_arg, scale if row_mult is None else row_mult, col_amax.view(torch.int32), data_t,
             scale, R, C, HAS_MULT=row_mult is not None, **blocks, **constants, **launch,
