@@ -154,6 +154,24 @@ def test_gpu_launch_shapes_of_the_rows_cast_under_the_interpreter(monkeypatch, c
         _assert_same(got, want)
 
 
+def test_gpu_launch_shapes_of_the_column_cast_under_the_interpreter(monkeypatch):
+    """The column-wise cast's GPU launch shape (64 × 128 tiles, two row tiles per amax program),
+    run by the interpreter over ragged row and column edges, matches the reference."""
+    from gem_lowprec.ops.fp8_cast import triton as kernels
+
+    constants = kernels._constants
+    monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(
+        kernels, "_constants", lambda fmt, on_gpu, bf16: constants(fmt, False, bf16)
+    )
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(300, 160, generator=gen) * 4).to(torch.bfloat16)
+    mult = _row_mult(x.shape[0], 7)
+    amax = kernels.column_amax(x, mult)
+    got = kernels.cast_columns(x, E4M3, row_mult=mult, col_amax=amax)
+    _assert_same(got, cast_columns(x, row_mult=mult, backend="reference"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("rows", "cols"), [(16384 + 40, 1024), (4096 + 40, 4096), (1024 + 8, 10000)]

@@ -404,8 +404,10 @@ class RowsTiles:
     wide_c: int = 4096
     wide_block_c: int = 2048
     wide_warps: int = 16
-    wide_block_r: int = 16
-    wide_l2_wave_mib: int = 32
+    # and 8 rows per chunk in waves of 24 MiB: 109 µs against 125 for 16 rows in 32 MiB
+    # (2026-11-30; with the transposed copy 180 µs against 194)
+    wide_block_r: int = 8
+    wide_l2_wave_mib: int = 24
     l2_wave_mib: int = 32
     amax_programs_per_sm: int = 2  # with a column amax: fewer programs, fewer atomics per column
     # with a column amax over whole rows: elements per tile (the running-maximum tile stays in
@@ -437,9 +439,11 @@ class ColumnTiles:
 
     block_r: int = 64
     block_c: int = 128
-    amax_row_tiles: int = 8
+    # on [32768, 1024] (H200, 2026-11-30): amax 27.6 µs against 29.0 for 8 row tiles; cast
+    # 26.5 µs against 27.5 on 8 warps; wider tiles or more warps were slower
+    amax_row_tiles: int = 2
     amax_warps: int = 4
-    cast_warps: int = 8
+    cast_warps: int = 4
 
 
 _ROWS_TILES = RowsTiles()
