@@ -49,7 +49,10 @@ SWEEP = {
     "merge_k128": [RowsTiles(b, w) for b, w in [(128, 4), (256, 8)]],
     "tile2d": [Tile2dTiles(k, w) for k, w in [(128, 4), (256, 4), (512, 8), (1024, 8)]],
     "rowcol": [RowColTiles(m, k, w) for m, k, w in [(32, 128, 4), (64, 64, 4), (64, 128, 8)]],
-    "rmsnorm": [RmsnormTiles(e, w) for e, w in [(2048, 2), (2048, 4), (4096, 4), (8192, 4)]],
+    "rmsnorm": [
+        RmsnormTiles(e, w)
+        for e, w in [(1024, 1), (2048, 1), (2048, 2), (4096, 2), (2048, 4), (4096, 4), (8192, 4)]
+    ],
 }
 SMOKE_SWEEP = {  # one interpreted call each: a few large programs
     "rows": [RowsTiles(512, 4)],
