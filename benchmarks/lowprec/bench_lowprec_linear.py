@@ -132,6 +132,10 @@ ROWS_SWEEP = [
     T(wide_block_r=8, wide_l2_wave_mib=16),
     T(wide_block_r=8, wide_l2_wave_mib=24),
     T(wide_block_r=32),
+    T(one_chunk_stages=1),  # no loads in flight across row blocks (the cast before 2026-11-30)
+    T(one_chunk_stages=3),
+    T(num_warps=4, one_chunk_stages=3),
+    T(amax_programs_per_sm=3),
 ]
 BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(32, 256, 32, 128, 4)]
 C = fp8_kernels.ColumnTiles

@@ -249,7 +249,7 @@ def ptx(fn, signature, constants, num_warps):
 rows = ptx(K.cast_rows_kernel,
            {"x_ptr": "*i16", "row_mult_ptr": "*fp32", "data_ptr": "*u8", "scale_ptr": "*fp32",
             "col_amax_ptr": "*i32", "R": "i32", "C": "i32"},
-           dict(BLOCK_R=16, BLOCK_C=512, COL_AMAX=False, ONE_CHUNK=False, HW_CONVERT=True,
+           dict(BLOCK_R=16, BLOCK_C=512, COL_AMAX=False, ONE_CHUNK=False, NUM_STAGES=1, HW_CONVERT=True,
                 IN_BF16=True, **K.format_constants(elem_format(torch.float8_e4m3fn))), 8)
 t = K.RowsTiles()
 transpose = ptx(K.transpose_bytes_kernel,

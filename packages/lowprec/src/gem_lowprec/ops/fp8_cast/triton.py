@@ -10,6 +10,8 @@ column, ``_RC`` a tile of rows × columns.
 2. Turn each row amax into its power-of-two scale (the E8M0 rule of the MX kernels).
 3. Read the rows again (the grid is sized so that a wave's rows fit in L2: the second read comes
    from L2, not HBM), cast and store the fp8 row-major.
+Rows that fit one chunk skip the second read: the block is cast from registers, and the loads
+of the next row blocks are in flight meanwhile (``tl.range`` with ``num_stages``).
 
 ``transpose_bytes_kernel`` then writes the transposed copy (``[C, R]``, the layout the
 weight-gradient GEMM contracts over) from the fp8 bytes: one byte read and one written per
@@ -100,6 +102,7 @@ def cast_rows_kernel(
     BLOCK_C: tl.constexpr,
     COL_AMAX: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
@@ -110,47 +113,70 @@ def cast_rows_kernel(
     HW_CONVERT: tl.constexpr,
     IN_BF16: tl.constexpr,
 ):
-    """``ONE_CHUNK`` (``C <= BLOCK_C``): the column amax is kept in registers over all of the
-    program's row blocks as an elementwise running maximum of whole tiles, reduced across rows
-    (a cross-warp reduction through shared memory) and folded in with one atomic per column
-    only at the end, not per block (reducing every block made the cast 4× slower on an H200)."""
+    """``ONE_CHUNK`` (``C <= BLOCK_C``): a row block is read once and cast from registers, with
+    the loads of ``NUM_STAGES`` row blocks in flight; the column amax is kept in registers over
+    all of the program's row blocks as an elementwise running maximum of whole tiles, reduced
+    across rows (a cross-warp reduction through shared memory) and folded in with one atomic per
+    column only at the end, not per block (reducing every block made the cast 4× slower on an
+    H200). Longer rows go chunk by chunk, twice (stages 1 and 3)."""
     n_row_blocks = tl.cdiv(R, BLOCK_R)
     col_amax_RC = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
-    for row_block in range(tl.program_id(0), n_row_blocks, tl.num_programs(0)):
+    for row_block in tl.range(
+        tl.program_id(0), n_row_blocks, tl.num_programs(0), num_stages=NUM_STAGES
+    ):
         rows_R = (row_block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         row_ok_R = rows_R < R
         if COL_AMAX:
             mult_R = tl.load(row_mult_ptr + rows_R, mask=row_ok_R, other=0.0)
-        # Stage 1: row amax (and the column amax of x · row_mult) from one read.
-        amax_R = tl.zeros([BLOCK_R], dtype=tl.int32)
-        for c0 in range(0, C, BLOCK_C):
-            cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+        if ONE_CHUNK:
+            # Stages 1-3 on whole rows: amaxes, the row scales, the cast from registers.
+            cols_C = tl.arange(0, BLOCK_C).to(tl.int64)
             mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
             x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
-            amax_R = tl.maximum(amax_R, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+            byte_R = scale_byte(
+                tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1), EMAX_EXP, True
+            )
             if COL_AMAX:
                 v_bits_RC = (x_RC * mult_R[:, None]).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                if ONE_CHUNK:
-                    col_amax_RC = tl.maximum(col_amax_RC, v_bits_RC)
-                else:
+                col_amax_RC = tl.maximum(col_amax_RC, v_bits_RC)
+            tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
+            q_RC = cast_at_scale(
+                x_RC, byte_R[:, None], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
+            )
+            tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
+        else:
+            # Stage 1: row amax (and the column amax of x · row_mult) from one read.
+            amax_R = tl.zeros([BLOCK_R], dtype=tl.int32)
+            for c0 in range(0, C, BLOCK_C):
+                cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+                mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
+                x_RC = load_as_float32(
+                    x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16
+                )
+                amax_R = tl.maximum(amax_R, tl.max(x_RC.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+                if COL_AMAX:
+                    v_bits_RC = (x_RC * mult_R[:, None]).to(tl.int32, bitcast=True) & 0x7FFFFFFF
                     tl.atomic_max(
                         col_amax_ptr + cols_C,
                         canonical_amax(tl.max(v_bits_RC, 0)),
                         mask=cols_C < C,
                         sem="relaxed",
                     )
-        # Stage 2: one power-of-two scale per row.
-        byte_R = scale_byte(amax_R, EMAX_EXP, True)
-        tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
-        # Stage 3: cast and store row-major.
-        for c0 in range(0, C, BLOCK_C):
-            cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
-            mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
-            x_RC = load_as_float32(x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16)
-            q_RC = cast_at_scale(
-                x_RC, byte_R[:, None], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
-            )
-            tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
+            # Stage 2: one power-of-two scale per row.
+            byte_R = scale_byte(amax_R, EMAX_EXP, True)
+            tl.store(scale_ptr + rows_R, scale_float(byte_R), mask=row_ok_R)
+            # Stage 3: read again (from L2), cast and store row-major.
+            for c0 in range(0, C, BLOCK_C):
+                cols_C = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+                mask_RC = row_ok_R[:, None] & (cols_C < C)[None, :]
+                x_RC = load_as_float32(
+                    x_ptr + rows_R[:, None] * C + cols_C[None, :], mask_RC, IN_BF16
+                )
+                q_RC = cast_at_scale(
+                    x_RC, byte_R[:, None], E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS,
+                    HW_CONVERT,
+                )  # fmt: skip
+                tl.store(data_ptr + rows_R[:, None] * C + cols_C[None, :], q_RC, mask=mask_RC)
     if COL_AMAX and ONE_CHUNK:
         cols_C = tl.arange(0, BLOCK_C)
         tl.atomic_max(
@@ -416,6 +442,9 @@ class RowsTiles:
     # with a column amax: whole rows per chunk up to this width (wider rows reduce every chunk
     # across warps and fold it in with atomics: 0.41 ms, 1 TB/s, on [32768, 4096] at 2048)
     amax_one_chunk_max_c: int = 8192
+    # rows of at most ``block_c`` columns (or whole rows with a column amax) are read once, with
+    # the loads of this many row blocks in flight
+    one_chunk_stages: int = 2
     transpose_block: int = 128  # the transposed copy: square byte tiles, 128-byte lines
     transpose_warps: int = 8
 
@@ -512,14 +541,15 @@ def cast_rows(
                 programs = min(programs, t.amax_programs_per_sm * sms)
             grid = (min(cdiv(R, block_r), programs),)
             blocks = {"BLOCK_R": block_r, "BLOCK_C": block_c}
-            launch = dict(num_warps=warps)
+            launch, stages = dict(num_warps=warps), t.one_chunk_stages
         else:  # few programs, so that each loops over several row blocks as on a GPU
-            blocks, launch = _INTERPRETER_BLOCK, {}
+            blocks, launch, stages = _INTERPRETER_BLOCK, {}, 2
             grid = (min(cdiv(R, blocks["BLOCK_R"]), _INTERPRETER_PROGRAMS),)
         mult = col_amax_row_mult if want_amax else scale
+        one_chunk = C <= blocks["BLOCK_C"]
         cast_rows_kernel[grid](
-            x_arg, mult, data, scale, col_amax, R, C, COL_AMAX=want_amax,
-            ONE_CHUNK=C <= blocks["BLOCK_C"], **blocks, **constants, **launch,
+            x_arg, mult, data, scale, col_amax, R, C, COL_AMAX=want_amax, ONE_CHUNK=one_chunk,
+            NUM_STAGES=stages if one_chunk else 1, **blocks, **constants, **launch,
         )  # fmt: skip
     return (
         data,
