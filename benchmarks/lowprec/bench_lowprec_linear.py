@@ -132,10 +132,11 @@ ROWS_SWEEP = [
     T(wide_block_r=8, wide_l2_wave_mib=16),
     T(wide_block_r=8, wide_l2_wave_mib=24),
     T(wide_block_r=32),
-    T(one_chunk_stages=1),  # no loads in flight across row blocks (the cast before 2026-11-30)
-    T(one_chunk_stages=3),
-    T(num_warps=4, one_chunk_stages=3),
-    T(amax_programs_per_sm=3),
+    T(one_chunk_stages=2),
+    T(amax_warps=8, amax_stages=1),
+    T(amax_stages=2),
+    T(amax_stages=4),
+    T(amax_warps=8),
 ]
 BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(32, 256, 32, 128, 4)]
 C = fp8_kernels.ColumnTiles
@@ -184,7 +185,10 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
     for c in sorted({k for k, _ in shapes}):
         x = torch.randn(tokens, c, device=device).to(torch.bfloat16)
         mult = torch.ones(tokens, device=device)
-        amax_fields = ("amax_programs_per_sm", "amax_tile_elems", "amax_one_chunk_max_c")
+        amax_fields = (
+            "amax_programs_per_sm", "amax_tile_elems", "amax_one_chunk_max_c", "amax_warps",
+            "amax_stages",
+        )  # fmt: skip
         wide_fields = ("wide_c", "wide_block_c", "wide_warps", "wide_block_r", "wide_l2_wave_mib")
         transpose_fields = ("transpose_block", "transpose_warps")
         for variant, transposed, row_mult, unused in (
