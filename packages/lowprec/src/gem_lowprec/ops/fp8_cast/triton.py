@@ -413,7 +413,7 @@ def mx_rowcol_k128_kernel(
 
 # Launch shapes on a GPU. Rows kernel: [BLOCK_R, BLOCK_C] chunks, a persistent grid sized so
 # that the rows of one wave of programs (programs · BLOCK_R · C · bytes) fit in ``l2_wave_mib``
-# of the 50 MiB L2, from which stage 3 re-reads them.
+# of the 50 MiB L2, from which stage 3 re-reads rows longer than one chunk.
 
 
 @dataclass(frozen=True)
