@@ -113,8 +113,9 @@ class RmsnormTiles:
 
 # On a GPU the dataclass defaults, the fastest of the benchmark's sweep on an H200 (2026-11-29,
 # Q3 [32768, 1024]: 4096 elements/4 warps 31.5 us; 8192/4 34.5; 8192/8 41.7; 16384/8 40.3).
-# Replayed from a CUDA graph (2026-11-30): 4096/4 34.1 us, 2048/2 33.2, 2048/4 34.8, 8192/4 38.0;
-# persistent programs looping over row blocks with pipelined loads were no faster (32.3-50.7).
+# Replayed from a CUDA graph (2026-11-30, two runs): 4096/4 34.1 and 32.1 us, 2048/2 33.2 and
+# 32.7, one row on 1 warp 32.4, 8192/4 38.0 and 34.9; persistent programs looping over row
+# blocks with pipelined loads were no faster (32.3-50.7).
 # Under the interpreter a few thousand elements per program keep numpy's arrays small.
 GPU_TILES = RmsnormTiles()
 INTERPRETER_TILES = RmsnormTiles(elements=2048, num_warps=4)
