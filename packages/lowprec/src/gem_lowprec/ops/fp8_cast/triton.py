@@ -10,8 +10,9 @@ column, ``_RC`` a tile of rows × columns.
 2. Turn each row amax into its power-of-two scale (the E8M0 rule of the MX kernels).
 3. Read the rows again (the grid is sized so that a wave's rows fit in L2: the second read comes
    from L2, not HBM), cast and store the fp8 row-major.
-Rows that fit one chunk skip the second read: the block is cast from registers, and the loads
-of the next row blocks are in flight meanwhile (``tl.range`` with ``num_stages``).
+Rows that fit one chunk skip the second read: the block is cast from registers. With a column
+amax the loads of the next row blocks are in flight meanwhile (``tl.range`` with
+``num_stages``); without one they did not help on an H200.
 
 ``transpose_bytes_kernel`` then writes the transposed copy (``[C, R]``, the layout the
 weight-gradient GEMM contracts over) from the fp8 bytes: one byte read and one written per
