@@ -25,13 +25,15 @@ kernel configurations of the project's kernel on J1, J2 and J3 (graph replays: d
 since eager timings of one config differ by ±15% from run to run once the host is the limit).
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
-waiting for the device (a loop of calls, no synchronisation), for the public function and for
-the custom op with its work lists rebuilt on every call (how eager calls ran before the eager
-fast path and the work-list cache), beside the step's device time (graph replay). A step whose
-host time exceeds its device time is host-bound when called eagerly.
+waiting for the device (a loop of calls, no synchronisation), for the public function (with
+the forward's K/V through TMA descriptors, which Triton encodes on the host per launch, and by
+pointers) and for the custom op with its work lists rebuilt on every call (how eager calls ran
+before the eager fast path and the work-list cache), beside the step's device time (graph
+replay). A step whose host time exceeds its device time is host-bound when called eagerly.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -117,7 +119,7 @@ ANCHORS = ("flex", "padded", "nested")
 
 def run(
     smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False, only=(),
-    rel_bias_radius: int | None = None,
+    rel_bias_radius: int | None = None, variants: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
     device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
     bench, anchor_bench = ab.benches(smoke, quick=quick)
@@ -187,7 +189,7 @@ def run(
     if device == "cuda":
         run_host_cost(dtype, only)
     if sweep and device == "cuda":
-        run_sweep(dtype, only, rel_bias_radius)
+        run_sweep(dtype, only, rel_bias_radius, variants)
 
 
 def _step(fn, q, k, v, do, backward):
@@ -214,8 +216,35 @@ def host_us(step, calls: int = 30) -> float:
     return elapsed / calls * 1e6
 
 
+@contextlib.contextmanager
+def forward_tma(w: Workload, enabled: bool):
+    """Run ``w``'s calls with the forward's K/V streamed through TMA descriptors or not."""
+    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+
+    short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
+    table = jfa_triton.config_table(short_keys=short, rel_bias=False)
+    base = table[HEAD_DIM]
+    table[HEAD_DIM] = dataclasses.replace(base, fwd_tma=enabled)
+    try:
+        yield
+    finally:
+        table[HEAD_DIM] = base
+
+
+def host_us_by_forward_loads(w: Workload, step, rounds: int = 3) -> tuple[float, float]:
+    """Host us per step with the forward's K/V through TMA descriptors and by pointers: the
+    least of ``rounds`` alternating measurements each (a descriptor is encoded per launch)."""
+    times = {True: [], False: []}
+    for _ in range(rounds):
+        for enabled in (True, False):
+            with forward_tma(w, enabled):
+                times[enabled].append(host_us(step))
+    return min(times[True]), min(times[False])
+
+
 def run_host_cost(dtype, only=()) -> None:
-    """Host cost per call against device time, this version and the custom op rebuilding lists."""
+    """Host cost per call against device time, this version (the forward's K/V through TMA
+    descriptors and by pointers) and the custom op rebuilding lists."""
     from gem_jagged import _worklist
 
     rows = []
@@ -239,14 +268,15 @@ def run_host_cost(dtype, only=()) -> None:
             eager_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms)
             rows.append(
                 [w.name, "fwd+bwd" if backward else "fwd",
-                 host_us(_step(public, q, k, v, do, backward)),
+                 *host_us_by_forward_loads(w, _step(public, q, k, v, do, backward)),
                  host_us(_step(custom_op, q, k, v, do, backward)),
                  device_ms * 1e3, eager_ms * 1e3]
             )  # fmt: skip
     common.print_table(
         "host cost per call (CPU us to issue one step, no sync) against device time",
-        ["workload", "pass", "host us (public fn)", "host us (custom op, lists rebuilt)",
-         "device us (graph replay)", "eager us (median, synced)"],
+        ["workload", "pass", "host us (public fn, fwd TMA)", "host us (public fn, fwd pointers)",
+         "host us (custom op, lists rebuilt)", "device us (graph replay)",
+         "eager us (median, synced)"],
         rows,
     )  # fmt: skip
 
@@ -264,6 +294,7 @@ def _sweep_variants(base, workload: str):
         "dkdv m32": r(base, dkdv_block_m=32),
         "dkdv s3": r(base, dkdv_stages=3),
         "dq s3": r(base, dq_stages=3),
+        "fwd tma" if not base.fwd_tma else "fwd pointers": r(base, fwd_tma=not base.fwd_tma),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
@@ -276,13 +307,29 @@ def _sweep_variants(base, workload: str):
     return variants
 
 
+def _results(fn, q, k, v, do) -> list[torch.Tensor]:
+    """Output and the gradients of q, k, v of one forward + backward step, in float32."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    return [t.float() for t in (out, *torch.autograd.grad(out, leaves, do))]
+
+
+def _worst_deviation(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest |got − want| over each tensor's largest |want|, across out, dq, dk, dv."""
+    return max(
+        ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+        for g, w in zip(got, want, strict=True)
+    )
+
+
 def _sweep_bench(fn) -> float:
     return common.bench_ms(fn, warmup_ms=10, rep_ms=50)
 
 
-def run_sweep(dtype, only=(), rel_bias_radius=None) -> None:
+def run_sweep(dtype, only=(), rel_bias_radius=None, variants=()) -> None:
     """Device time (graph replay) of kernel configurations of the project (J1, J2, J3), with a
-    relative bias of radius ``rel_bias_radius`` when given (as the main table)."""
+    relative bias of radius ``rel_bias_radius`` when given (as the main table); with
+    ``variants``, only the default and the configurations whose names contain one of them."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 
     rows = []
@@ -296,19 +343,23 @@ def run_sweep(dtype, only=(), rel_bias_radius=None) -> None:
         short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
         table = jfa_triton.config_table(short_keys=short, rel_bias=rel_bias_radius is not None)
         base = table[HEAD_DIM]
+        want = _results(fn, q, k, v, do)
         for name, cfg in _sweep_variants(base, w.name).items():
+            if variants and name != "default" and not any(v in name for v in variants):
+                continue
             table[HEAD_DIM] = cfg
             try:
+                deviation = _worst_deviation(_results(fn, q, k, v, do), want)
                 t_f, t_b = (
                     ab.timed(fn, q, k, v, do, backward=b, bench=_sweep_bench, graph=True)
                     for b in (False, True)
                 )
             except Exception as exc:  # a config that does not compile must not stop the sweep
                 print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-                t_f = t_b = float("nan")
+                t_f = t_b = deviation = float("nan")
             rows.append(
                 [w.name, name, t_f, common.tflops(flops_f, t_f), t_b - t_f, t_b,
-                 common.tflops(flops_b, t_b)]
+                 common.tflops(flops_b, t_b), deviation]
             )  # fmt: skip
         table[HEAD_DIM] = base
         print_kernel_profile(w.name, fn, q, k, v, do)
@@ -316,7 +367,16 @@ def run_sweep(dtype, only=(), rel_bias_radius=None) -> None:
         "kernel config sweep (device time: CUDA-graph replays of the public function"
         + ("" if rel_bias_radius is None else f", rel_bias R={rel_bias_radius}")
         + ")",
-        ["workload", "config", "fwd ms", "fwd TFLOP/s", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
+        [
+            "workload",
+            "config",
+            "fwd ms",
+            "fwd TFLOP/s",
+            "bwd ms",
+            "fwd+bwd ms",
+            "fwd+bwd TFLOP/s",
+            "max dev. from default",
+        ],
         rows,
     )
 
@@ -344,6 +404,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, seconds")
     parser.add_argument("--sweep", action="store_true", help="also time kernel configurations")
+    parser.add_argument(
+        "--variants", nargs="+", default=[], metavar="TEXT",
+        help="--sweep: only the default and the configurations whose names contain one of these",
+    )  # fmt: skip
     parser.add_argument("--project-only", action="store_true", help="skip the anchors")
     parser.add_argument(
         "--quick", action="store_true", help="only the rows the goals name (< 1 min on an H200)"
@@ -360,4 +424,7 @@ if __name__ == "__main__":
     only = tuple(name for value in args.only for name in value.split(",") if name)
     if unknown := set(only) - {"J1", "J2", "J3"}:
         parser.error(f"--only: unknown workload(s) {sorted(unknown)}; choose from J1, J2, J3")
-    run(args.smoke, args.sweep, args.project_only, args.quick, only, args.rel_bias)
+    run(
+        args.smoke, args.sweep, args.project_only, args.quick, only, args.rel_bias,
+        tuple(args.variants),
+    )  # fmt: skip

@@ -11,7 +11,11 @@ Forward (one program per (query tile, head), heaviest tiles first, see ``gem_jag
     exponentials are ``exp2``). Key blocks wholly below the causal diagonal run without any mask;
     only the blocks crossing the diagonal or the end of the sequence pay for masking, and blocks
     wholly above it are never visited. The (natural) log-sum-exp of each row is saved for
-    the backward pass; a row that sees no key saves ``+inf`` and outputs zeros.
+    the backward pass; a row that sees no key saves ``+inf`` and outputs zeros. Where the tile
+    table says so (``fwd_tma``) and the layout allows, K and V blocks arrive through TMA
+    descriptors over the packed ``[Tk, N·H]`` rows (the copy engine fills shared memory; no
+    per-element addresses in registers); a sequence's last block then reads into the next
+    sequence's rows, which the masked step zeroes like the pointer loads' mask does.
 
 Backward, dK/dV kernel (one program per (key tile, query-range chunk, head))
     Keeps a key/value tile in registers and streams the query blocks that can see it, rebuilding
@@ -67,6 +71,7 @@ from dataclasses import dataclass
 
 import torch
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gem_jagged._checks import checked_length_range
 from gem_jagged._jit import jit
@@ -98,19 +103,23 @@ class JaggedAttentionConfig:
     # Interior bias diagonals the dQ kernel reduces per skewed read of a dS tile, at most
     # dq_block_n (a gather index wider than its source along the axis can fail to compile).
     dq_diag_chunk: int = 64
+    fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
-_INTERPRETER_CONFIG = JaggedAttentionConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8)
+_INTERPRETER_CONFIG = JaggedAttentionConfig(
+    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8, fwd_tma=True
+)
 
 # bf16 / fp16 (2-byte elements). Head dim 128: 64-row query tiles on 4 warps for the forward and
 # dQ (one shared work list) and two dK/dV stages took J1's forward + backward from 1.30 to
 # 1.21 ms and J2's from 1.85 to 1.78 on an H200 (graph-replayed; docs/performance.md,
-# 2026-11-30).
+# 2026-11-30). Streaming K and V through TMA took the forward from 0.307 to 0.275-0.287 ms on
+# J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session).
 _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
-    128: JaggedAttentionConfig(64, 64, 4, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 4),
+    128: JaggedAttentionConfig(64, 64, 4, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 4, fwd_tma=True),
 }
 # float32 (4-byte elements, IEEE dots): half-height tiles, two stages; correctness, not speed.
 _GPU_CONFIGS_FP32 = {
@@ -122,20 +131,25 @@ _GPU_CONFIGS_FP32 = {
 # bf16 / fp16 when the sequences average at most SHORT_KEYS keys (candidates, J3): a dK/dV
 # program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
 # at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
-# 0.195 ms on an H200). Only dK/dV changes: the forward and dQ share one query tile height (and
-# work list) with the table above.
+# 0.195 ms on an H200). The forward and dQ share one query tile height (and work list) with the
+# table above; the forward loads its one key block by pointers: through TMA J3's forward took
+# the same 0.112 ms, and Triton encodes each descriptor on the host at every launch (about
+# 10-40 us more per call, which an eager J3 call, host-bound, pays in full).
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()
 } | {
     128: dataclasses.replace(
-        _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4
+        _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4,
+        fwd_tma=False,
     )
-}
+}  # fmt: skip
 
 # bf16 / fp16 with a relative bias: head dim 128 keeps the tiles the bias path was measured with
 # (J1 at R = 32, 184-193 useful TFLOP/s; docs/performance.md, 2026-11-29) until it is measured
-# with the ones above, which were measured without a bias. Its dQ kernel spills at either:
+# with the ones above, which were measured without a bias; its forward loads K and V by
+# pointers (through TMA, R = 32: J1's forward 0.346 -> 0.345 ms, J2's 0.462 -> 0.442, not worth
+# the descriptors' host cost). Its dQ kernel spills at either:
 # 144 / 156 bytes at 64 rows on 4 warps, 120 / 132 at 128 rows on 8 (ptxas, sm_90).
 _GPU_CONFIGS_BIAS = _GPU_CONFIGS | {
     128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4)
@@ -245,6 +259,30 @@ def _key_block_stops(
     return far_stop, full_stop
 
 
+@jit
+def _stream_tile(
+    src, seq_row0, first, col0, stride, length,
+    MASKED: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[first, first + ROWS)`` of one head of a sequence: with ``TMA`` through the tensor
+    descriptor ``src`` (sequence rows from token ``seq_row0``, head columns from ``col0``), else
+    from the head's base pointer ``src`` (row stride ``stride``). With ``MASKED``, rows at or past
+    ``length`` read as zeros: a descriptor reads the next sequence's rows there, whose values
+    (an Inf, say) must not reach this sequence through a zero probability."""
+    rows_R = first + tl.arange(0, ROWS)
+    if TMA:
+        tile_RH = src.load([(seq_row0 + first).to(tl.int32), col0])
+        if MASKED:
+            tile_RH = tl.where((rows_R < length)[:, None], tile_RH, 0.0)
+    else:
+        offsets_RH = rows_R.to(tl.int64)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            tile_RH = tl.load(src + offsets_RH, mask=(rows_R < length)[:, None], other=0.0)
+        else:
+            tile_RH = tl.load(src + offsets_RH)
+    return tile_RH
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -252,25 +290,23 @@ def _key_block_stops(
 
 @jit
 def _fwd_key_blocks(
-    acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo, bias_offsets,
-    q_start, rows_M, k_len, diag, start, stop, qk_scale_log2, stride_kv,
+    acc_MH, l_M, m_M, q_MH, k_src, v_src, k_row0, col0, bias_head, far_bias, bias_o_lo,
+    bias_offsets, q_start, rows_M, k_len, diag, start, stop, qk_scale_log2, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
     BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """Stream key blocks ``[start, stop)`` past the query tile (online softmax update); with
     ``FAR_BIAS`` the blocks lie left of the bias band and add ``far_bias`` to every score."""
-    dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES):
         cols_N = block_start + tl.arange(0, BLOCK_N)
-        kv_offsets_NH = cols_N.to(tl.int64)[:, None] * stride_kv + dims_H[None, :]
-        if MASKED:
-            in_seq_N = cols_N < k_len
-            k_NH = tl.load(k_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
-            v_NH = tl.load(v_head + kv_offsets_NH, mask=in_seq_N[:, None], other=0.0)
-        else:
-            k_NH = tl.load(k_head + kv_offsets_NH)
-            v_NH = tl.load(v_head + kv_offsets_NH)
+        k_NH = _stream_tile(
+            k_src, k_row0, block_start, col0, stride_kv, k_len, MASKED, TMA, BLOCK_N, HEAD_DIM
+        )
+        v_NH = _stream_tile(
+            v_src, k_row0, block_start, col0, stride_kv, k_len, MASKED, TMA, BLOCK_N, HEAD_DIM
+        )
         # Stage 1: scores in the log2 domain.
         s_MN = tl.dot(q_MH, tl.trans(k_NH), input_precision=DOT_PRECISION) * qk_scale_log2
         s_MN = add_relative_bias(
@@ -278,7 +314,7 @@ def _fwd_key_blocks(
             HAS_BIAS, FAR_BIAS, BLOCK_M, BLOCK_N, BIAS_STEP,
         )  # fmt: skip
         if MASKED:
-            visible_MN = in_seq_N[None, :]
+            visible_MN = (cols_N < k_len)[None, :]
             if CAUSAL:
                 visible_MN = visible_MN & (cols_N[None, :] <= rows_M[:, None] + diag)
             s_MN = tl.where(visible_MN, s_MN, float("-inf"))
@@ -305,7 +341,7 @@ def _jfa_fwd_kernel(
     num_heads, total_q, qk_scale_log2, radius, bias_o_lo, bias_offsets, stride_q, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // num_heads
@@ -327,8 +363,11 @@ def _jfa_fwd_kernel(
         q_TqNH + q_rows_M[:, None] * stride_q + head * HEAD_DIM + dims_H[None, :],
         mask=row_ok_M[:, None], other=0.0,
     )  # fmt: skip
-    k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
-    v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
+    if TMA:  # descriptors: each load adds the sequence's first row and the head's column
+        k_src, v_src = k_TkNH, v_TkNH
+    else:
+        k_src = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
+        v_src = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
     bias_head = bias_tiles_NOMN + head.to(tl.int64) * bias_offsets * (BLOCK_M * BLOCK_N)
 
     m_M = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -343,22 +382,25 @@ def _jfa_fwd_kernel(
     if HAS_BIAS:
         far_bias = far_bias_log2(bias_head)
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo,
-        bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2, stride_kv,
+        acc_MH, l_M, m_M, q_MH, k_src, v_src, k_begin, head * HEAD_DIM, bias_head, far_bias,
+        bias_o_lo, bias_offsets, q_start, rows_M, k_len, diag, 0, far_stop, qk_scale_log2,
+        stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False, BIAS_STEP, DOT_PRECISION,
-        NUM_STAGES,
+        NUM_STAGES, TMA,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo,
-        bias_offsets, q_start, rows_M, k_len, diag, far_stop, full_stop, qk_scale_log2, stride_kv,
+        acc_MH, l_M, m_M, q_MH, k_src, v_src, k_begin, head * HEAD_DIM, bias_head, far_bias,
+        bias_o_lo, bias_offsets, q_start, rows_M, k_len, diag, far_stop, full_stop, qk_scale_log2,
+        stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DOT_PRECISION,
-        NUM_STAGES,
+        NUM_STAGES, TMA,
     )  # fmt: skip
     acc_MH, l_M, m_M = _fwd_key_blocks(
-        acc_MH, l_M, m_M, q_MH, k_head, v_head, bias_head, far_bias, bias_o_lo,
-        bias_offsets, q_start, rows_M, k_len, diag, full_stop, k_stop, qk_scale_log2, stride_kv,
+        acc_MH, l_M, m_M, q_MH, k_src, v_src, k_begin, head * HEAD_DIM, bias_head, far_bias,
+        bias_o_lo, bias_offsets, q_start, rows_M, k_len, diag, full_stop, k_stop, qk_scale_log2,
+        stride_kv,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DOT_PRECISION,
-        NUM_STAGES,
+        NUM_STAGES, TMA,
     )  # fmt: skip
 
     # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
@@ -705,6 +747,21 @@ def _rows_of_heads(q, k, v):
     return q, k, v
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover ``t [T, N, H]`` (heads dense) as ``[T, N·H]`` rows:
+    16-byte aligned base and row stride, between 1 and 2³¹ − 1 rows."""
+    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    return aligned and 0 < t.shape[0] < 2**31
+
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over ``t [T, N, H]`` as ``[T, N·H]`` rows, in tiles of ``rows × H``."""
+    width = t.shape[1] * t.shape[2]
+    return TensorDescriptor(
+        t, shape=[t.shape[0], width], strides=[t.stride(0), 1], block_shape=[rows, t.shape[2]]
+    )
+
+
 def _radius(rel_bias):
     return 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
 
@@ -742,13 +799,17 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
+    tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
+    k_src, v_src = k, v
+    if tma:
+        k_src, v_src = (_row_descriptor(t, cfg.fwd_block_n) for t in (k, v))
     _jfa_fwd_kernel[(work.num_slots * num_heads,)](
-        q, k, v, out, lse, tiles, q_offsets, kv_offsets,
+        q, k_src, v_src, out, lse, tiles, q_offsets, kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets, q.stride(0),
         k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), TMA=tma,
         NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return out, lse, work.packed_5W
