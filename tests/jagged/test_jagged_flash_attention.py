@@ -159,16 +159,18 @@ def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal, tabl
 
 def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
     """Forward, dQ, dK/dV and the compiled op's fake shape all ask for the tiles of the bias path
-    when there is a bias (their work lists must agree), and for the plain ones without."""
+    when there is a bias (their work lists must agree), and for the plain ones without; all of
+    them for the batch's keys per sequence (the short-keys table)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     asked = []
     config_for = jfa_triton.config_for
 
-    def spy(*args, rel_bias=False, **kwargs):
+    def spy(*args, rel_bias=False, keys_per_seq=None, **kwargs):
+        assert keys_per_seq == 8.0, keys_per_seq
         asked.append(rel_bias)
-        return config_for(*args, rel_bias=rel_bias, **kwargs)
+        return config_for(*args, rel_bias=rel_bias, keys_per_seq=keys_per_seq, **kwargs)
 
     monkeypatch.setattr(jfa_triton, "config_for", spy)
     for radius in (3, None):

@@ -68,7 +68,7 @@ def _(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backen
     if backend == "triton":
         from .triton import forward_work_slots
 
-        slots = forward_work_slots(q, q_offsets.shape[0] - 1, rel_bias=rel_bias is not None)
+        slots = forward_work_slots(q, k, q_offsets, rel_bias=rel_bias is not None)
     return out, lse, q.new_empty((5, slots), dtype=torch.int32)
 
 

@@ -132,9 +132,10 @@ _GPU_CONFIGS_FP32 = {
 # program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
 # at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
 # 0.195 ms on an H200). The forward and dQ share one query tile height (and work list) with the
-# table above; the forward loads its one key block by pointers: through TMA J3's forward took
-# the same 0.112 ms, and Triton encodes each descriptor on the host at every launch (about
-# 10-40 us more per call, which an eager J3 call, host-bound, pays in full).
+# table above. The forward loads its one key block by pointers: through TMA J3's forward ran
+# 0.103 ms against 0.112 on the device, but Triton encodes each descriptor on the host at every
+# launch, 127 us of host time per call against 96, and an eager J3 call is host-bound
+# (docs/performance.md, 2026-11-30, tenth session).
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()
@@ -171,8 +172,9 @@ def config_for(
     rel_bias: bool = False,
 ) -> JaggedAttentionConfig:  # fmt: skip
     """The tile shapes for one head dim and element size (every tile 16 under the interpreter);
-    for bf16/fp16 ``keys_per_seq`` (``Tk / B``, host-known) picks the short-keys tiles and
-    ``rel_bias`` those of the bias path."""
+    for bf16/fp16 ``keys_per_seq`` (``Tk / B``, host-known: ``keys_per_seq()``) picks the
+    short-keys tiles and ``rel_bias`` those of the bias path. Every launcher and the fake
+    implementation ask with the same arguments, so their work lists agree."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     if dtype.itemsize > 2:
@@ -788,7 +790,10 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     the compiler may reuse once it is dead.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device, q.dtype, rel_bias=rel_bias is not None)
+    cfg = config_for(
+        head_dim, q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets),
+        rel_bias=rel_bias is not None,
+    )  # fmt: skip
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
@@ -815,10 +820,17 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     return out, lse, work.packed_5W
 
 
-def forward_work_slots(q: torch.Tensor, num_seqs: int, *, rel_bias: bool) -> int:
+def keys_per_seq(k: torch.Tensor, q_offsets: torch.Tensor) -> float:
+    """``Tk / B`` from host-known shapes: what picks the short-keys tile table."""
+    return k.shape[0] / max(q_offsets.shape[0] - 1, 1)
+
+
+def forward_work_slots(q: torch.Tensor, k: torch.Tensor, q_offsets, *, rel_bias: bool) -> int:
     """Slots of the forward's query work list (host shapes only; for fake tensors too)."""
-    cfg = config_for(q.shape[2], q.device, q.dtype, rel_bias=rel_bias)
-    return tile_slot_bound(q.shape[0], num_seqs, cfg.fwd_block_m)
+    cfg = config_for(
+        q.shape[2], q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets), rel_bias=rel_bias
+    )
+    return tile_slot_bound(q.shape[0], q_offsets.shape[0] - 1, cfg.fwd_block_m)
 
 
 def jfa_backward(
@@ -848,7 +860,7 @@ def backward_dkdv(
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
     cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=k.shape[0] / max(num_seqs, 1),
+        head_dim, q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets),
         rel_bias=rel_bias is not None,
     )  # fmt: skip
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
@@ -903,7 +915,10 @@ def backward_dq(
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(head_dim, q.device, q.dtype, rel_bias=rel_bias is not None)
+    cfg = config_for(
+        head_dim, q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets),
+        rel_bias=rel_bias is not None,
+    )  # fmt: skip
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     radius = _radius(rel_bias)
