@@ -22,7 +22,9 @@ graph-replayed on J1 and J2 beside FlexAttention and padded SDPA, on J3 beside p
 compiled project (the ratios then use the eager figure) and no nested SDPA. ``--smoke`` runs tiny
 sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast; ``--sweep`` also times
 kernel configurations of the project's kernel on J1, J2 and J3 (graph replays: device time only,
-since eager timings of one config differ by ±15% from run to run once the host is the limit).
+since eager timings of one config differ by ±15% from run to run once the host is the limit),
+each beside its largest deviation from the default configuration's output and gradients;
+``--variants TEXT ...`` keeps the configurations whose names contain one of the texts.
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
 waiting for the device (a loop of calls, no synchronisation), for the public function (with
