@@ -60,6 +60,7 @@ and the half-open range ``[lo, hi)`` of rows on the other side to visit (``lo`` 
 ``align``). All tensors are int32 on the offsets' device, of length ``num_slots`` (a host int).
 """
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -85,6 +86,12 @@ class TileWorkList:
 
     packed_5W: torch.Tensor
     block: int
+    # The five row views, made once: a remembered list serves many launches, and making a view
+    # costs 5-10 us of host time on an H200 host (docs/performance.md, 2026-11-30, tenth session).
+    _rows: tuple[torch.Tensor, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_rows", self.packed_5W.unbind(0))
 
     @property
     def num_slots(self) -> int:
@@ -92,23 +99,23 @@ class TileWorkList:
 
     @property
     def seq_W(self) -> torch.Tensor:
-        return self.packed_5W[0]
+        return self._rows[0]
 
     @property
     def start_W(self) -> torch.Tensor:
-        return self.packed_5W[1]
+        return self._rows[1]
 
     @property
     def lo_W(self) -> torch.Tensor:
-        return self.packed_5W[2]
+        return self._rows[2]
 
     @property
     def hi_W(self) -> torch.Tensor:
-        return self.packed_5W[3]
+        return self._rows[3]
 
     @property
     def splits_W(self) -> torch.Tensor:
-        return self.packed_5W[4]
+        return self._rows[4]
 
 
 def tile_slot_bound(total: int, batch: int, block: int) -> int:
@@ -354,7 +361,9 @@ def _remembered(kind: str, tiled: torch.Tensor, other: torch.Tensor, options: tu
     """``build()``, or the list it returned before for these very offsets (see the docstring)."""
     if not _cacheable(tiled, other):
         return build()
-    stream = torch.cuda.current_stream(tiled.device).cuda_stream if tiled.is_cuda else 0
+    # The raw stream handle: ``torch.cuda.current_stream()`` builds a Stream object, 25 us of
+    # host time per call on an H200 host.
+    stream = torch._C._cuda_getCurrentRawStream(tiled.device.index) if tiled.is_cuda else 0
     key = (kind, id(tiled), id(other), stream, options)
     entry = _CACHE.get(key)
     if (
