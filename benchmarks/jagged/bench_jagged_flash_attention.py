@@ -297,6 +297,9 @@ def _sweep_variants(base, workload: str):
         "dkdv s3": r(base, dkdv_stages=3),
         "dq s3": r(base, dq_stages=3),
         "fwd tma" if not base.fwd_tma else "fwd pointers": r(base, fwd_tma=not base.fwd_tma),
+        "fwd m128 w8": r(base, fwd_block_m=128, fwd_warps=8),
+        "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
+        "fwd w8": r(base, fwd_warps=8),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
