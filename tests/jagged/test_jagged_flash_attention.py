@@ -523,6 +523,43 @@ def test_gpu_compile_and_cuda_graph_capture():
 
 
 @pytest.mark.gpu
+def test_gpu_cuda_graph_replays_the_tma_forward():
+    """Without a bias at head dim 128 the forward reads K/V through TMA descriptors, which
+    Triton encodes on the host at launch: a captured step replays them (new values copied into
+    the same q, k, v) and matches a fresh eager step."""
+    lengths = [100, 0, 2500, 7]
+    tensors, q_off, _ = _case(
+        lengths, lengths, heads=2, head_dim=128, radius=None, seed=8, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    static = [tensors[n].clone().requires_grad_() for n in ("q", "k", "v")]
+
+    def step():
+        out = jagged_flash_attention(*static, q_off, causal=True, max_q_len=max(lengths))
+        return [out, *torch.autograd.grad(out, static, tensors["do"])]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (compiles the kernels) outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for t in static:
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    torch.testing.assert_close(captured[0], fresh[0], atol=0, rtol=0)
+    torch.testing.assert_close(captured[1], fresh[1], atol=0, rtol=0)
+    for got, want in zip(captured[2:], fresh[2:], strict=True):  # split key tiles: fp32 atomics
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replays_new_offsets_without_a_hint():
     """Captured without ``max_q_len``, where eager calls size the backward's split from the
     offsets' host check: the capture must not bake one batch's lengths in. A replay with new
