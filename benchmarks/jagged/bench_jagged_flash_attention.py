@@ -98,6 +98,7 @@ def project_fn(w, q, k, v, device, *, rel_bias_radius=None):
             q, k, v, q_off, kv_off, causal=w.causal, rel_bias=rel_bias, backend=backend, **hints
         )
 
+    fn.rel_bias = rel_bias  # for the sweep's check of every gradient
     return fn
 
 
@@ -300,6 +301,19 @@ def _sweep_variants(base, workload: str):
         "fwd m128 w8": r(base, fwd_block_m=128, fwd_warps=8),
         "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
         "fwd w8": r(base, fwd_warps=8),
+        "fwd+dq m64 w4, dkdv s2, fwd tma (the plain table's)": r(
+            base,
+            fwd_block_m=64,
+            fwd_warps=4,
+            dq_block_m=64,
+            dq_warps=4,
+            dkdv_stages=2,
+            fwd_tma=True,
+        ),
+        "fwd m64 w4 tma, dq as is": r(base, fwd_block_m=64, fwd_warps=4, fwd_tma=True),
+        "bwd: dq m64 w4, dkdv s2": r(base, dq_block_m=64, dq_warps=4, dkdv_stages=2),
+        "bwd: dq m64 w4": r(base, dq_block_m=64, dq_warps=4),
+        "bwd: dkdv s2": r(base, dkdv_stages=2),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
@@ -313,14 +327,16 @@ def _sweep_variants(base, workload: str):
 
 
 def _results(fn, q, k, v, do) -> list[torch.Tensor]:
-    """Output and the gradients of q, k, v of one forward + backward step, in float32."""
+    """Output and the gradients of q, k, v (and of the relative bias, if any) of one forward +
+    backward step, in float32."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = fn(*leaves)
-    return [t.float() for t in (out, *torch.autograd.grad(out, leaves, do))]
+    bias = [fn.rel_bias] if getattr(fn, "rel_bias", None) is not None else []
+    return [t.float() for t in (out, *torch.autograd.grad(out, leaves + bias, do))]
 
 
 def _worst_deviation(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    """Largest |got − want| over each tensor's largest |want|, across out, dq, dk, dv."""
+    """Largest |got − want| over each tensor's largest |want|, across out and the gradients."""
     return max(
         ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
         for g, w in zip(got, want, strict=True)

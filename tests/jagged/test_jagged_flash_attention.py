@@ -136,7 +136,9 @@ def test_relative_bias_off_the_band(lq, lk, causal, radius):
     _check_against_fp64(lq, lk, causal=causal, radius=radius, seed=11, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("table", ["plain", "plain, head dim 128", "short keys, head dim 128"])
+@pytest.mark.parametrize(
+    "table", ["plain", "plain, head dim 128", "short keys, head dim 128", "bias, head dim 128"]
+)
 @pytest.mark.parametrize(
     ("lq", "lk", "causal"),
     [([300, 129, 1, 0, 450], None, True), ([200, 9, 0, 330], [130, 200, 3, 70], False)],
@@ -144,14 +146,16 @@ def test_relative_bias_off_the_band(lq, lk, causal, radius):
 def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal, table):
     """The bf16 GPU tiles on the CPU, with R = 40: bias tiles of step 64, far, band and
     right-of-band tiles and two skewed reads on the diagonal tile, as the GPU runs them. Head dims
-    32/64 (and 128 with a bias): 128 × 64 queries × keys, 64 × 128 for dK/dV. Head dim 128: 64 ×
-    64 for the forward and dQ (one work list), 64 × 128 or, for short keys, 32 × 64 for dK/dV."""
+    32/64: 128 × 64 queries × keys, 64 × 128 for dK/dV. Head dim 128: 64 × 64 for the forward
+    (K/V through TMA) and dQ (one work list), 64 × 128 or, for short keys, 32 × 64 for dK/dV;
+    with a bias, 128 × 64 for the forward and 64 × 64 for dQ (a work list each)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 
     gpu_config = {
         "plain": jfa_triton._GPU_CONFIGS[32],
         "plain, head dim 128": jfa_triton._GPU_CONFIGS[128],
         "short keys, head dim 128": jfa_triton._GPU_CONFIGS_SHORT_KEYS[128],
+        "bias, head dim 128": jfa_triton._GPU_CONFIGS_BIAS[128],
     }[table]
     monkeypatch.setattr(jfa_triton, "config_for", lambda *args, **kwargs: gpu_config)
     _check_against_fp64(lq, lk or lq, causal=causal, radius=40, seed=5, dtype=torch.float32)

@@ -146,14 +146,15 @@ _GPU_CONFIGS_SHORT_KEYS = {
     )
 }  # fmt: skip
 
-# bf16 / fp16 with a relative bias: head dim 128 keeps the tiles the bias path was measured with
-# (J1 at R = 32, 184-193 useful TFLOP/s; docs/performance.md, 2026-11-29) until it is measured
-# with the ones above, which were measured without a bias; its forward loads K and V by
-# pointers (through TMA, R = 32: J1's forward 0.346 -> 0.345 ms, J2's 0.462 -> 0.442, not worth
-# the descriptors' host cost). Its dQ kernel spills at either:
-# 144 / 156 bytes at 64 rows on 4 warps, 120 / 132 at 128 rows on 8 (ptxas, sm_90).
+# bf16 / fp16 with a relative bias, head dim 128 (gem-small's attention; R = 32, graph-replayed
+# on an H200, docs/performance.md 2026-11-30, tenth session): the forward keeps 128-row tiles on
+# 8 warps with pointer loads (64 rows on 4 warps: 0.346 -> 0.44 ms on J1; TMA: 0.346 -> 0.345 on
+# J1, 0.462 -> 0.442 on J2, not worth the descriptors' host cost); dQ takes 64-row tiles on 4
+# warps and dK/dV two stages, as without a bias: J1's forward + backward 1.57 -> 1.47 ms, J2's
+# 2.09 -> 1.97. Its dQ kernel spills at either height: 144 / 156 bytes at 64 rows on 4 warps,
+# 120 / 132 at 128 rows on 8 (ptxas, sm_90). The forward and dQ then build a work list each.
 _GPU_CONFIGS_BIAS = _GPU_CONFIGS | {
-    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4)
+    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 4)
 }
 _GPU_CONFIGS_BIAS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS_BIAS.items()
