@@ -173,8 +173,8 @@ def config_for(
     rel_bias: bool = False,
 ) -> JaggedAttentionConfig:  # fmt: skip
     """The tile shapes for one head dim and element size (every tile 16 under the interpreter);
-    for bf16/fp16 ``keys_per_seq`` (``Tk / B``, host-known: ``keys_per_seq()``) picks the
-    short-keys tiles and ``rel_bias`` those of the bias path. Every launcher and the fake
+    for bf16/fp16 ``keys_per_seq`` (``Tk / B``, host-known: ``mean_keys_per_sequence``) picks
+    the short-keys tiles and ``rel_bias`` those of the bias path. Every launcher and the fake
     implementation ask with the same arguments, so their work lists agree."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
@@ -792,7 +792,7 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets),
+        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
         rel_bias=rel_bias is not None,
     )  # fmt: skip
     q, k, v = _rows_of_heads(q, k, v)
@@ -821,16 +821,15 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     return out, lse, work.packed_5W
 
 
-def keys_per_seq(k: torch.Tensor, q_offsets: torch.Tensor) -> float:
+def mean_keys_per_sequence(k: torch.Tensor, q_offsets: torch.Tensor) -> float:
     """``Tk / B`` from host-known shapes: what picks the short-keys tile table."""
     return k.shape[0] / max(q_offsets.shape[0] - 1, 1)
 
 
 def forward_work_slots(q: torch.Tensor, k: torch.Tensor, q_offsets, *, rel_bias: bool) -> int:
     """Slots of the forward's query work list (host shapes only; for fake tensors too)."""
-    cfg = config_for(
-        q.shape[2], q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets), rel_bias=rel_bias
-    )
+    keys = mean_keys_per_sequence(k, q_offsets)
+    cfg = config_for(q.shape[2], q.device, q.dtype, keys_per_seq=keys, rel_bias=rel_bias)
     return tile_slot_bound(q.shape[0], q_offsets.shape[0] - 1, cfg.fwd_block_m)
 
 
@@ -861,7 +860,7 @@ def backward_dkdv(
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
     cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets),
+        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
         rel_bias=rel_bias is not None,
     )  # fmt: skip
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
@@ -917,7 +916,7 @@ def backward_dq(
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=keys_per_seq(k, q_offsets),
+        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
         rel_bias=rel_bias is not None,
     )  # fmt: skip
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
