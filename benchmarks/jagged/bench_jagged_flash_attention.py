@@ -288,7 +288,7 @@ def _sweep_variants(base, workload: str):
     r = dataclasses.replace
     variants = {
         "default": base,
-        "fwd+dq m128 w8, dkdv s3 (the default before; with a bias, now)": r(
+        "fwd+dq m128 w8, dkdv s3 (the default before, and the bias table's until 2026-11-30)": r(
             base, fwd_block_m=128, fwd_warps=8, dq_block_m=128, dq_warps=8, dkdv_stages=3
         ),
         "fwd s2": r(base, fwd_stages=2),
