@@ -314,6 +314,11 @@ def _sweep_variants(base, workload: str):
         "bwd: dq m64 w4, dkdv s2": r(base, dq_block_m=64, dq_warps=4, dkdv_stages=2),
         "bwd: dq m64 w4": r(base, dq_block_m=64, dq_warps=4),
         "bwd: dkdv s2": r(base, dkdv_stages=2),
+        "dkdv triton" if base.dkdv_hopper else "dkdv hopper": r(
+            base, dkdv_hopper=not base.dkdv_hopper
+        ),
+        "dkdv hopper s3": r(base, dkdv_hopper=True, dkdv_stages=3),
+        "dkdv hopper m32 s3": r(base, dkdv_hopper=True, dkdv_block_m=32, dkdv_stages=3),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {

@@ -4,6 +4,7 @@ The tolerance rule of the project: the kernel's error against fp64 is at most 2x
 5x (gradients) the error of the reference computed in the kernel's dtype.
 """
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from gem_jagged import jagged_flash_attention
-from gem_jagged.ops.jagged_flash_attention import _op
+from gem_jagged.ops.jagged_flash_attention import _op, hopper_dkdv
+from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 from gem_jagged.ops.jagged_flash_attention.reference import jagged_flash_attention_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
 from hypothesis import given
@@ -705,3 +707,119 @@ def test_a_non_finite_sequence_never_reaches_its_neighbours(pad):
     _assert_other_sequences_untouched(
         [5, 40, 9], head_dim=32, dtype=torch.float32, device="cpu", pad=pad
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the Gluon dK/dV kernel (``hopper_dkdv.py``). Gluon has no CPU interpreter: these need an
+# sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernel, checks (by
+# a spy) that it ran, and holds its results to the tolerance rule against fp64.
+# ----------------------------------------------------------------------------------------------
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the Gluon dK/dV kernel targets Hopper (sm_90)",
+)
+
+
+def _use_hopper_dkdv(monkeypatch, *, enabled: bool, **fields) -> list:
+    """Point every bf16/fp16 table at (or away from) the Gluon kernel; returns the launches."""
+    for table in (
+        jfa_triton._GPU_CONFIGS, jfa_triton._GPU_CONFIGS_SHORT_KEYS,
+        jfa_triton._GPU_CONFIGS_BIAS, jfa_triton._GPU_CONFIGS_BIAS_SHORT_KEYS,
+    ):  # fmt: skip
+        for hd, cfg in list(table.items()):
+            monkeypatch.setitem(table, hd, dataclasses.replace(cfg, dkdv_hopper=enabled, **fields))
+    launches = []
+    launch = hopper_dkdv.launch_dkdv
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_dkdv, "launch_dkdv", spy)
+    return launches
+
+
+HOPPER_CASES = [
+    # (q lengths, kv lengths or None for self, causal, head dim): empty and length-1 sequences,
+    # block edges ± 1, a long one, cross-attention over short and over longer keys
+    ([1, 63, 64, 65, 127, 128, 129, 700, 0, 3000], None, True, 128),
+    ([1, 63, 64, 65, 127, 128, 129, 700, 0, 3000], None, False, 64),
+    ([300, 5, 0, 1000], [64, 64, 64, 64], False, 128),
+    ([300, 5, 17, 1000], [200, 9, 0, 1500], True, 128),
+    ([300, 5, 17, 1000], [200, 9, 0, 1500], False, 64),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("lq", "lk", "causal", "head_dim"), HOPPER_CASES)
+def test_hopper_dkdv_matches_fp64_within_reference_error(
+    monkeypatch, dtype, lq, lk, causal, head_dim
+):
+    lk = lq if lk is None else lk
+    tensors, q_off, kv_off = _case(
+        lq, lk, heads=2, head_dim=head_dim, radius=None, seed=3, dtype=torch.float64,
+        device="cuda",
+    )  # fmt: skip
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
+    ref, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
+    assert not _use_hopper_dkdv(monkeypatch, enabled=False)
+    triton_dkdv, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    launches = _use_hopper_dkdv(monkeypatch, enabled=True)
+    got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    assert launches, "the Gluon kernel did not run"
+    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert_within_reference_error(
+            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
+        )
+    # Same inputs, same math, another schedule: dK/dV within a few bf16/fp16 steps of Triton's.
+    for name, a, b in zip(("dk", "dv"), got[2:4], triton_dkdv[2:4], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("stages", [2, 3])
+def test_hopper_dkdv_split_key_tiles_and_ring_depths(monkeypatch, stages):
+    """Split key tiles (partial sums through the float32 scratch) and each ring depth."""
+    lq = [4000, 1, 130, 0, 64]
+    tensors, q_off, kv_off = _case(
+        lq, lq, heads=2, head_dim=128, radius=None, seed=5, dtype=torch.float64, device="cuda"
+    )
+    monkeypatch.setattr(jfa_triton, "dkdv_splits", lambda cfg, **kw: 3)
+    launches = _use_hopper_dkdv(monkeypatch, enabled=True, dkdv_stages=stages)
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
+    ref, names = _run(
+        tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16
+    )
+    got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
+    assert launches and all(kw["num_stages"] == stages for kw in launches)
+    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert_within_reference_error(
+            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
+        )
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_hopper_dkdv_keeps_a_non_finite_sequence_to_itself(monkeypatch):
+    launches = _use_hopper_dkdv(monkeypatch, enabled=True)
+    _assert_other_sequences_untouched(
+        [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=0
+    )
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_hopper_dkdv_not_used_with_a_relative_bias(monkeypatch):
+    """The bias path keeps the Triton kernel even where its table asks for this one."""
+    launches = _use_hopper_dkdv(monkeypatch, enabled=True)
+    tensors, q_off, kv_off = _case(
+        [100, 3], [100, 3], heads=2, head_dim=128, radius=4, seed=1, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
+    assert not launches

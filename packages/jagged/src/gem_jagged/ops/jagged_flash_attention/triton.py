@@ -77,6 +77,7 @@ from gem_jagged._checks import checked_length_range
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
+from . import hopper_dkdv
 from .bias_tiles import add_relative_bias, far_bias_log2, relative_bias_tiles
 
 LOG2E = 1.4426950408889634
@@ -104,6 +105,8 @@ class JaggedAttentionConfig:
     # dq_block_n (a gather index wider than its source along the axis can fail to compile).
     dq_diag_chunk: int = 64
     fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
+    # dK/dV by the Gluon kernel of ``hopper_dkdv.py`` where it applies (sm_90, 2-byte, no bias)
+    dkdv_hopper: bool = False
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
@@ -885,17 +888,26 @@ def backward_dkdv(
         rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
     )
     grid = (kwork.num_slots * num_heads,)
-    _jfa_dkdv_kernel[grid](
-        q, k, v, dout, lse, delta, tiles,
-        dk, dv, dk_scratch, dv_scratch,
-        q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
-        num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
-        q.stride(0), k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m,
-        BLOCK_N=cfg.dkdv_block_n,
-        CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-    )  # fmt: skip
+    if cfg.dkdv_hopper and hopper_dkdv.supported(
+        q, rel_bias=rel_bias is not None, block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps
+    ):
+        hopper_dkdv.launch_dkdv(
+            grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
+            kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
+            block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        )  # fmt: skip
+    else:
+        _jfa_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, tiles,
+            dk, dv, dk_scratch, dv_scratch,
+            q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
+            num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
+            q.stride(0), k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m,
+            BLOCK_N=cfg.dkdv_block_n,
+            CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        )  # fmt: skip
     if max_splits > 1:
         _jfa_dkdv_finish_kernel[grid](
             dk, dv, dk_scratch, dv_scratch, kv_offsets,
