@@ -100,22 +100,22 @@ class _Patches:
             setattr(obj, name, value)
 
 
-def _hopper_dkdv_supported(q, *, rel_bias, block_n, num_warps):
-    """``hopper_dkdv.supported`` with the device taken to be the sm_90 compiled for."""
-    from gem_jagged.ops.jagged_flash_attention import hopper_dkdv
+def _hopper_supported(q, *, rel_bias, rows, num_warps):
+    """``hopper.supported`` with the device taken to be the sm_90 compiled for."""
+    from gem_jagged.ops.jagged_flash_attention import hopper
 
     return (
         q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in hopper_dkdv.HEAD_DIMS
+        and q.shape[-1] in hopper.HEAD_DIMS
         and not rel_bias
-        and block_n == 16 * num_warps
+        and rows == 16 * num_warps
     )
 
 
 def gpu_configs() -> _Patches:
     """The ops pick tiles and code paths by device type; have them pick the GPU's."""
     from gem_jagged.ops.gdpa import triton as gdpa
-    from gem_jagged.ops.jagged_flash_attention import hopper_dkdv
+    from gem_jagged.ops.jagged_flash_attention import hopper
     from gem_jagged.ops.jagged_flash_attention import triton as jfa
     from gem_lowprec.ops.fp8_cast import triton as fp8_cast
     from gem_lowprec.ops.mx_quantize import triton as mx
@@ -132,7 +132,7 @@ def gpu_configs() -> _Patches:
             lambda device, hd, dtype, **kw: tiles_for(FAKE_CUDA, hd, dtype, **kw),
         ),
         (gdpa, "activation_code", lambda act, dtype, device: act_code(act, dtype, FAKE_CUDA)),
-        (hopper_dkdv, "supported", _hopper_dkdv_supported),
+        (hopper, "supported", _hopper_supported),
         (fp8_cast, "_on_gpu", lambda x: True),
         (mx, "default_tiles", lambda device: mx.GPU_TILES),
         (mx, "use_hw_convert", lambda x, force_integer: not force_integer),
@@ -189,16 +189,19 @@ def _jfa(q, k, v, offsets, *, rel_bias: bool):
     return jagged_flash_attention(q, k, v, offsets, causal=True, rel_bias=bias, backend="triton")
 
 
-def _jfa_hopper_dkdv():
-    """The plain path with every bf16/fp16 tile table asking for the Gluon dK/dV kernel, over
-    long keys (128-key tiles) and short ones (64-key tiles)."""
+def _jfa_hopper():
+    """The plain path with every bf16/fp16 tile table asking for the Gluon backward kernels,
+    over long keys (128-key dK/dV tiles) and short ones (64-key tiles)."""
     import dataclasses
 
     from gem_jagged import jagged_flash_attention
     from gem_jagged.ops.jagged_flash_attention import triton as jfa
 
     def hopper(table):
-        return {hd: dataclasses.replace(cfg, dkdv_hopper=True) for hd, cfg in table.items()}
+        return {
+            hd: dataclasses.replace(cfg, dkdv_hopper=True, dq_hopper=True)
+            for hd, cfg in table.items()
+        }
 
     def run():
         tables = ("_GPU_CONFIGS", "_GPU_CONFIGS_SHORT_KEYS")
@@ -281,7 +284,7 @@ def _lowprec():
 OPS = {
     "jfa": _attention(functools.partial(_jfa, rel_bias=False)),
     "jfa_bias": _attention(functools.partial(_jfa, rel_bias=True)),
-    "jfa_hopper_dkdv": _jfa_hopper_dkdv(),
+    "jfa_hopper": _jfa_hopper(),
     "gdpa": _attention(functools.partial(_gdpa, rel_bias=False)),
     "gdpa_bias": _attention(functools.partial(_gdpa, rel_bias=True)),
     "gdpa_cross": _attention(_gdpa_cross),

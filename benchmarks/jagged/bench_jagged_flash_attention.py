@@ -317,8 +317,13 @@ def _sweep_variants(base, workload: str):
         "dkdv triton" if base.dkdv_hopper else "dkdv hopper": r(
             base, dkdv_hopper=not base.dkdv_hopper
         ),
-        "dkdv hopper s3": r(base, dkdv_hopper=True, dkdv_stages=3),
-        "dkdv hopper m32 s3": r(base, dkdv_hopper=True, dkdv_block_m=32, dkdv_stages=3),
+        "dq triton" if base.dq_hopper else "dq hopper": r(base, dq_hopper=not base.dq_hopper),
+        "bwd hopper": r(base, dkdv_hopper=True, dq_hopper=True),
+        "bwd hopper, dkdv s3": r(base, dkdv_hopper=True, dq_hopper=True, dkdv_stages=3),
+        "bwd hopper, dq s3": r(base, dkdv_hopper=True, dq_hopper=True, dq_stages=3),
+        "bwd hopper, dq m128 w8": r(
+            base, dkdv_hopper=True, dq_hopper=True, dq_block_m=128, dq_warps=8
+        ),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {

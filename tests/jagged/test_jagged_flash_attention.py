@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from gem_jagged import jagged_flash_attention
-from gem_jagged.ops.jagged_flash_attention import _op, hopper_dkdv
+from gem_jagged.ops.jagged_flash_attention import _op, hopper
 from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
 from gem_jagged.ops.jagged_flash_attention.reference import jagged_flash_attention_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
@@ -710,34 +710,41 @@ def test_a_non_finite_sequence_never_reaches_its_neighbours(pad):
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: the Gluon dK/dV kernel (``hopper_dkdv.py``). Gluon has no CPU interpreter: these need an
-# sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernel, checks (by
-# a spy) that it ran, and holds its results to the tolerance rule against fp64.
+# GPU: the Gluon backward kernels (``hopper.py``). Gluon has no CPU interpreter: these need an
+# sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernels, checks (by
+# a spy) that they ran, and holds the results to the tolerance rule against fp64.
 # ----------------------------------------------------------------------------------------------
 
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-    reason="the Gluon dK/dV kernel targets Hopper (sm_90)",
+    reason="the Gluon backward kernels target Hopper (sm_90)",
 )
 
 
-def _use_hopper_dkdv(monkeypatch, *, enabled: bool, **fields) -> list:
-    """Point every bf16/fp16 table at (or away from) the Gluon kernel; returns the launches."""
+def _use_hopper(monkeypatch, *, enabled: bool, **fields) -> list:
+    """Point every bf16/fp16 table at (or away from) the Gluon kernels; returns their launches
+    as ``(kernel, launch options)``."""
     for table in (
         jfa_triton._GPU_CONFIGS, jfa_triton._GPU_CONFIGS_SHORT_KEYS,
         jfa_triton._GPU_CONFIGS_BIAS, jfa_triton._GPU_CONFIGS_BIAS_SHORT_KEYS,
     ):  # fmt: skip
         for hd, cfg in list(table.items()):
-            monkeypatch.setitem(table, hd, dataclasses.replace(cfg, dkdv_hopper=enabled, **fields))
+            hopper_cfg = dataclasses.replace(cfg, dkdv_hopper=enabled, dq_hopper=enabled, **fields)
+            monkeypatch.setitem(table, hd, hopper_cfg)
     launches = []
-    launch = hopper_dkdv.launch_dkdv
+    for kernel in ("dkdv", "dq"):
+        launch = getattr(hopper, f"launch_{kernel}")
 
-    def spy(*args, **kwargs):
-        launches.append(kwargs)
-        return launch(*args, **kwargs)
+        def spy(*args, _kernel=kernel, _launch=launch, **kwargs):
+            launches.append((_kernel, kwargs))
+            return _launch(*args, **kwargs)
 
-    monkeypatch.setattr(hopper_dkdv, "launch_dkdv", spy)
+        monkeypatch.setattr(hopper, f"launch_{kernel}", spy)
     return launches
+
+
+def _both_ran(launches) -> bool:
+    return {kernel for kernel, _ in launches} == {"dkdv", "dq"}
 
 
 HOPPER_CASES = [
@@ -755,7 +762,7 @@ HOPPER_CASES = [
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("lq", "lk", "causal", "head_dim"), HOPPER_CASES)
-def test_hopper_dkdv_matches_fp64_within_reference_error(
+def test_hopper_backward_matches_fp64_within_reference_error(
     monkeypatch, dtype, lq, lk, causal, head_dim
 ):
     lk = lq if lk is None else lk
@@ -765,37 +772,37 @@ def test_hopper_dkdv_matches_fp64_within_reference_error(
     )  # fmt: skip
     truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
     ref, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
-    assert not _use_hopper_dkdv(monkeypatch, enabled=False)
-    triton_dkdv, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
-    launches = _use_hopper_dkdv(monkeypatch, enabled=True)
+    assert not _use_hopper(monkeypatch, enabled=False)
+    triton_grads, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    launches = _use_hopper(monkeypatch, enabled=True)
     got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
-    assert launches, "the Gluon kernel did not run"
+    assert _both_ran(launches), launches
     for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
         assert_within_reference_error(
             got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
         )
-    # Same inputs, same math, another schedule: dK/dV within a few bf16/fp16 steps of Triton's.
-    for name, a, b in zip(("dk", "dv"), got[2:4], triton_dkdv[2:4], strict=True):
+    # Same inputs, same math, another schedule: within a few bf16/fp16 steps of Triton's.
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:4], triton_grads[1:4], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("stages", [2, 3])
-def test_hopper_dkdv_split_key_tiles_and_ring_depths(monkeypatch, stages):
+def test_hopper_backward_split_key_tiles_and_ring_depths(monkeypatch, stages):
     """Split key tiles (partial sums through the float32 scratch) and each ring depth."""
     lq = [4000, 1, 130, 0, 64]
     tensors, q_off, kv_off = _case(
         lq, lq, heads=2, head_dim=128, radius=None, seed=5, dtype=torch.float64, device="cuda"
     )
     monkeypatch.setattr(jfa_triton, "dkdv_splits", lambda cfg, **kw: 3)
-    launches = _use_hopper_dkdv(monkeypatch, enabled=True, dkdv_stages=stages)
+    launches = _use_hopper(monkeypatch, enabled=True, dkdv_stages=stages, dq_stages=stages)
     truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
     ref, names = _run(
         tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16
     )
     got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
-    assert launches and all(kw["num_stages"] == stages for kw in launches)
+    assert _both_ran(launches) and all(kw["num_stages"] == stages for _, kw in launches)
     for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
         assert_within_reference_error(
             got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
@@ -804,19 +811,19 @@ def test_hopper_dkdv_split_key_tiles_and_ring_depths(monkeypatch, stages):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_hopper_dkdv_keeps_a_non_finite_sequence_to_itself(monkeypatch):
-    launches = _use_hopper_dkdv(monkeypatch, enabled=True)
+def test_hopper_backward_keeps_a_non_finite_sequence_to_itself(monkeypatch):
+    launches = _use_hopper(monkeypatch, enabled=True)
     _assert_other_sequences_untouched(
         [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=0
     )
-    assert launches
+    assert _both_ran(launches)
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_hopper_dkdv_not_used_with_a_relative_bias(monkeypatch):
-    """The bias path keeps the Triton kernel even where its table asks for this one."""
-    launches = _use_hopper_dkdv(monkeypatch, enabled=True)
+def test_hopper_backward_not_used_with_a_relative_bias(monkeypatch):
+    """The bias path keeps the Triton kernels even where its table asks for the Gluon ones."""
+    launches = _use_hopper(monkeypatch, enabled=True)
     tensors, q_off, kv_off = _case(
         [100, 3], [100, 3], heads=2, head_dim=128, radius=4, seed=1, dtype=torch.bfloat16,
         device="cuda",

@@ -77,7 +77,7 @@ from gem_jagged._checks import checked_length_range
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
-from . import hopper_dkdv
+from . import hopper
 from .bias_tiles import add_relative_bias, far_bias_log2, relative_bias_tiles
 
 LOG2E = 1.4426950408889634
@@ -105,8 +105,9 @@ class JaggedAttentionConfig:
     # dq_block_n (a gather index wider than its source along the axis can fail to compile).
     dq_diag_chunk: int = 64
     fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
-    # dK/dV by the Gluon kernel of ``hopper_dkdv.py`` where it applies (sm_90, 2-byte, no bias)
+    # dK/dV and dQ by the Gluon kernels of ``hopper.py`` where they apply (sm_90, 2-byte, no bias)
     dkdv_hopper: bool = False
+    dq_hopper: bool = False
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
@@ -888,10 +889,10 @@ def backward_dkdv(
         rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
     )
     grid = (kwork.num_slots * num_heads,)
-    if cfg.dkdv_hopper and hopper_dkdv.supported(
-        q, rel_bias=rel_bias is not None, block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps
+    if cfg.dkdv_hopper and hopper.supported(
+        q, rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps
     ):
-        hopper_dkdv.launch_dkdv(
+        hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
@@ -949,16 +950,25 @@ def backward_dq(
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
     )
-    _jfa_dq_kernel[(num_programs,)](
-        q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
-        q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
-        num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
-        k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-        DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
-        DOT_PRECISION=_dot_precision(q.dtype),
-        NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-    )  # fmt: skip
+    if cfg.dq_hopper and hopper.supported(
+        q, rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps
+    ):
+        hopper.launch_dq(
+            (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
+            scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )  # fmt: skip
+    else:
+        _jfa_dq_kernel[(num_programs,)](
+            q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
+            q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
+            num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
+            k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+            CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+            DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
+            DOT_PRECISION=_dot_precision(q.dtype),
+            NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )  # fmt: skip
     dbias = None
     if rel_bias is not None:
         dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0)
