@@ -199,7 +199,7 @@ def _jfa_hopper():
 
     def hopper(table):
         return {
-            hd: dataclasses.replace(cfg, dkdv_hopper=True, dq_hopper=True)
+            hd: dataclasses.replace(cfg, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True)
             for hd, cfg in table.items()
         }
 

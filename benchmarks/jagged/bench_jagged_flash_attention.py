@@ -318,12 +318,14 @@ def _sweep_variants(base, workload: str):
             base, dkdv_hopper=not base.dkdv_hopper
         ),
         "dq triton" if base.dq_hopper else "dq hopper": r(base, dq_hopper=not base.dq_hopper),
-        "bwd hopper": r(base, dkdv_hopper=True, dq_hopper=True),
-        "bwd hopper, dkdv s3": r(base, dkdv_hopper=True, dq_hopper=True, dkdv_stages=3),
-        "bwd hopper, dq s3": r(base, dkdv_hopper=True, dq_hopper=True, dq_stages=3),
-        "bwd hopper, dq m128 w8": r(
-            base, dkdv_hopper=True, dq_hopper=True, dq_block_m=128, dq_warps=8
+        "fwd triton" if base.fwd_hopper else "fwd hopper": r(base, fwd_hopper=not base.fwd_hopper),
+        "all hopper, dkdv s3": r(
+            base, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True, dkdv_stages=3
         ),
+        "fwd hopper s2": r(base, fwd_hopper=True, fwd_stages=2),
+        "fwd hopper s4": r(base, fwd_hopper=True, fwd_stages=4),
+        "fwd hopper n128 s2": r(base, fwd_hopper=True, fwd_block_n=128, fwd_stages=2),
+        "fwd hopper m128 w8": r(base, fwd_hopper=True, fwd_block_m=128, fwd_warps=8),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {

@@ -710,14 +710,14 @@ def test_a_non_finite_sequence_never_reaches_its_neighbours(pad):
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: the Gluon backward kernels (``hopper.py``). Gluon has no CPU interpreter: these need an
+# GPU: the Gluon kernels (``hopper.py``). Gluon has no CPU interpreter: these need an
 # sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernels, checks (by
 # a spy) that they ran, and holds the results to the tolerance rule against fp64.
 # ----------------------------------------------------------------------------------------------
 
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-    reason="the Gluon backward kernels target Hopper (sm_90)",
+    reason="the Gluon kernels target Hopper (sm_90)",
 )
 
 
@@ -729,10 +729,12 @@ def _use_hopper(monkeypatch, *, enabled: bool, **fields) -> list:
         jfa_triton._GPU_CONFIGS_BIAS, jfa_triton._GPU_CONFIGS_BIAS_SHORT_KEYS,
     ):  # fmt: skip
         for hd, cfg in list(table.items()):
-            hopper_cfg = dataclasses.replace(cfg, dkdv_hopper=enabled, dq_hopper=enabled, **fields)
+            hopper_cfg = dataclasses.replace(
+                cfg, fwd_hopper=enabled, dkdv_hopper=enabled, dq_hopper=enabled, **fields
+            )
             monkeypatch.setitem(table, hd, hopper_cfg)
     launches = []
-    for kernel in ("dkdv", "dq"):
+    for kernel in ("forward", "dkdv", "dq"):
         launch = getattr(hopper, f"launch_{kernel}")
 
         def spy(*args, _kernel=kernel, _launch=launch, **kwargs):
@@ -743,8 +745,8 @@ def _use_hopper(monkeypatch, *, enabled: bool, **fields) -> list:
     return launches
 
 
-def _both_ran(launches) -> bool:
-    return {kernel for kernel, _ in launches} == {"dkdv", "dq"}
+def _all_ran(launches) -> bool:
+    return {kernel for kernel, _ in launches} == {"forward", "dkdv", "dq"}
 
 
 HOPPER_CASES = [
@@ -762,7 +764,7 @@ HOPPER_CASES = [
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("lq", "lk", "causal", "head_dim"), HOPPER_CASES)
-def test_hopper_backward_matches_fp64_within_reference_error(
+def test_hopper_kernels_match_fp64_within_reference_error(
     monkeypatch, dtype, lq, lk, causal, head_dim
 ):
     lk = lq if lk is None else lk
@@ -773,36 +775,38 @@ def test_hopper_backward_matches_fp64_within_reference_error(
     truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
     ref, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
     assert not _use_hopper(monkeypatch, enabled=False)
-    triton_grads, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    triton_results, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
     launches = _use_hopper(monkeypatch, enabled=True)
     got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
-    assert _both_ran(launches), launches
+    assert _all_ran(launches), launches
     for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
         assert_within_reference_error(
             got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
         )
     # Same inputs, same math, another schedule: within a few bf16/fp16 steps of Triton's.
-    for name, a, b in zip(("dq", "dk", "dv"), got[1:4], triton_grads[1:4], strict=True):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, triton_results, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("stages", [2, 3])
-def test_hopper_backward_split_key_tiles_and_ring_depths(monkeypatch, stages):
+def test_hopper_kernels_split_key_tiles_and_ring_depths(monkeypatch, stages):
     """Split key tiles (partial sums through the float32 scratch) and each ring depth."""
     lq = [4000, 1, 130, 0, 64]
     tensors, q_off, kv_off = _case(
         lq, lq, heads=2, head_dim=128, radius=None, seed=5, dtype=torch.float64, device="cuda"
     )
     monkeypatch.setattr(jfa_triton, "dkdv_splits", lambda cfg, **kw: 3)
-    launches = _use_hopper(monkeypatch, enabled=True, dkdv_stages=stages, dq_stages=stages)
+    launches = _use_hopper(
+        monkeypatch, enabled=True, fwd_stages=stages, dkdv_stages=stages, dq_stages=stages
+    )
     truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
     ref, names = _run(
         tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16
     )
     got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
-    assert _both_ran(launches) and all(kw["num_stages"] == stages for _, kw in launches)
+    assert _all_ran(launches) and all(kw["num_stages"] == stages for _, kw in launches)
     for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
         assert_within_reference_error(
             got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
@@ -811,17 +815,17 @@ def test_hopper_backward_split_key_tiles_and_ring_depths(monkeypatch, stages):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_hopper_backward_keeps_a_non_finite_sequence_to_itself(monkeypatch):
+def test_hopper_kernels_keep_a_non_finite_sequence_to_itself(monkeypatch):
     launches = _use_hopper(monkeypatch, enabled=True)
     _assert_other_sequences_untouched(
         [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=0
     )
-    assert _both_ran(launches)
+    assert _all_ran(launches)
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_hopper_backward_not_used_with_a_relative_bias(monkeypatch):
+def test_hopper_kernels_unused_with_a_relative_bias(monkeypatch):
     """The bias path keeps the Triton kernels even where its table asks for the Gluon ones."""
     launches = _use_hopper(monkeypatch, enabled=True)
     tensors, q_off, kv_off = _case(

@@ -132,6 +132,166 @@ def _store_rows(
     gl.store(dst_TNH + offsets_RH, tile_RH, mask=mask_RH)
 
 
+@gluon.jit
+def _online_softmax_step(
+    s_MN, m_M, l_M, rows_M, block_start, full_stop, k_len, diag, qk_scale_log2,
+    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, LHS_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """One key block of the online softmax: ``(P as an MMA left operand, α, m, l)``. Blocks
+    from ``full_stop`` on cross the causal diagonal or the sequence's end and are masked; a
+    row that has seen no key keeps ``m = −inf`` safely."""
+    s_MN = s_MN * qk_scale_log2
+    if block_start >= full_stop:
+        cols_N = block_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_MN.type.layout))
+        visible_MN = (cols_N < k_len)[None, :] & (rows_M >= 0)[:, None]
+        if CAUSAL:
+            visible_MN = visible_MN & (cols_N[None, :] <= rows_M[:, None] + diag)
+        s_MN = gl.where(visible_MN, s_MN, float("-inf"))
+    m_new_M = gl.maximum(m_M, gl.max(s_MN, axis=1))
+    m_use_M = gl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+    p_MN = gl.exp2(s_MN - m_use_M[:, None])
+    alpha_M = gl.exp2(m_M - m_use_M)
+    l_M = l_M * alpha_M + gl.sum(p_MN, axis=1)
+    return gl.convert_layout(p_MN.to(DTYPE), LHS_LAYOUT), alpha_M, m_new_M, l_M
+
+
+@gluon.jit(do_not_specialize=BATCH_DEPENDENT)
+def _jfa_fwd_hopper_kernel(
+    q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq,
+    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
+    num_heads, total_q, qk_scale_log2, stride_q, stride_kv,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
+    gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
+    pid = gl.program_id(0)
+    slot = pid // num_heads
+    head = pid % num_heads
+    seq = gl.load(work_seq_W + slot)
+    if seq < 0:
+        return
+    q_start = gl.load(work_start_W + slot)
+    k_stop = gl.load(work_hi_W + slot)
+    q_begin = gl.load(q_offsets_Bp1 + seq).to(gl.int64)
+    q_len = (gl.load(q_offsets_Bp1 + seq + 1) - q_begin).to(gl.int32)
+    k_begin = gl.load(kv_offsets_Bp1 + seq).to(gl.int64)
+    k_len = (gl.load(kv_offsets_Bp1 + seq + 1) - k_begin).to(gl.int32)
+    diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
+    dtype: gl.constexpr = q_TqNH.dtype.element_ty
+
+    copy_layout: gl.constexpr = _row_copy_layout(HEAD_DIM, num_warps)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, HEAD_DIM], dtype
+    )
+    keys_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_N, HEAD_DIM], dtype
+    )
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], keys_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], keys_smem_layout)
+    q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
+    k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
+    v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
+
+    # Stage 0: the query tile and a full ring of key blocks in flight.
+    n_blocks = gl.cdiv(k_stop, BLOCK_N)
+    _copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
+    for i in gl.static_range(NUM_STAGES):
+        length = gl.where(i < n_blocks, k_len, 0)
+        _copy_rows_async(
+            k_smem.index(i), k_head, i * BLOCK_N, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
+        )
+        _copy_rows_async(
+            v_smem.index(i), v_head, i * BLOCK_N, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
+        )
+        async_copy.commit_group()
+    rows_M = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    full_stop = k_len  # key blocks from here on cross the causal diagonal or the end
+    if CAUSAL:
+        full_stop = gl.minimum(full_stop, q_start + 1 + diag)
+    full_stop = gl.minimum(gl.maximum(full_stop, 0) // BLOCK_N * BLOCK_N, k_stop)
+    no_scores_MN = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_M = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_M = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc_MH = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+
+    if n_blocks > 0:
+        # Stage 1 (block 0): S and its softmax; P₀ V₀ is issued with block 1's scores.
+        async_copy.wait_group(NUM_STAGES - 1)
+        _cta_barrier()
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
+        s_MN = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
+        p_lhs, alpha_M, m_M, l_M = _online_softmax_step(
+            s_MN, m_M, l_M, rows_M, 0, full_stop, k_len, diag, qk_scale_log2,
+            CAUSAL, BLOCK_N, dtype, lhs_layout,
+        )  # fmt: skip
+        # Stage 2 (blocks 1 …): Sⱼ and Pⱼ₋₁ Vⱼ₋₁ on the tensor cores together; Sⱼ's softmax runs
+        # while Pⱼ₋₁ Vⱼ₋₁ finishes; then O is rescaled and block j − 1's ring slot refilled.
+        for j in range(1, n_blocks):
+            async_copy.wait_group(NUM_STAGES - 2)
+            _cta_barrier()
+            fence_async_shared()
+            s_MN = warpgroup_mma(
+                q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), no_scores_MN,
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            acc_MH = warpgroup_mma(p_lhs, v_smem.index((j - 1) % NUM_STAGES), acc_MH, is_async=True)
+            s_MN = warpgroup_mma_wait(num_outstanding=1, deps=(s_MN,))
+            p_next, alpha_M, m_M, l_M = _online_softmax_step(
+                s_MN, m_M, l_M, rows_M, j * BLOCK_N, full_stop, k_len, diag, qk_scale_log2,
+                CAUSAL, BLOCK_N, dtype, lhs_layout,
+            )  # fmt: skip
+            acc_MH, p_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(acc_MH, p_lhs))
+            acc_MH = acc_MH * gl.convert_layout(alpha_M, gl.SliceLayout(1, acc_layout))[:, None]
+            p_lhs = p_next
+            refill = j - 1 + NUM_STAGES
+            length = gl.where(refill < n_blocks, k_len, 0)
+            slot_free = (j - 1) % NUM_STAGES
+            _copy_rows_async(
+                k_smem.index(slot_free),
+                k_head,
+                refill * BLOCK_N,
+                length,
+                stride_kv,
+                copy_layout,
+                BLOCK_N,
+                HEAD_DIM,
+            )
+            _copy_rows_async(
+                v_smem.index(slot_free),
+                v_head,
+                refill * BLOCK_N,
+                length,
+                stride_kv,
+                copy_layout,
+                BLOCK_N,
+                HEAD_DIM,
+            )
+            async_copy.commit_group()
+        acc_MH = warpgroup_mma(p_lhs, v_smem.index((n_blocks - 1) % NUM_STAGES), acc_MH)
+    async_copy.wait_group(0)
+
+    # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
+    seen_M = l_M > 0.0
+    l_safe_M = gl.where(seen_M, l_M, 1.0)
+    out_MH = acc_MH / gl.convert_layout(l_safe_M, gl.SliceLayout(1, acc_layout))[:, None]
+    lse_M = gl.where(seen_M, (m_M + gl.log2(l_safe_M)) * 0.6931471805599453, float("inf"))
+    stride_o = num_heads * HEAD_DIM  # the output is contiguous
+    out_CH = gl.convert_layout(out_MH.to(out_TqNH.dtype.element_ty), copy_layout)
+    _store_rows(
+        out_TqNH, out_CH, q_begin, q_start, q_len, stride_o, head, copy_layout, BLOCK_M, HEAD_DIM
+    )
+    gl.store(lse_NTq + head * total_q + q_begin + rows_M, lse_M, mask=rows_M < q_len)
+
+
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_dkdv_hopper_kernel(
     q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq,
@@ -450,6 +610,21 @@ def _jfa_dq_hopper_kernel(
     _store_rows(
         dq_TqNH, dq_CH, q_begin, q_start, q_len, stride_o, head, copy_layout, BLOCK_M, HEAD_DIM
     )
+
+
+def launch_forward(
+    grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
+):  # fmt: skip
+    """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
+    leaves them; out contiguous)."""
+    total_q, num_heads, head_dim = q.shape
+    _jfa_fwd_hopper_kernel[grid](
+        q, k, v, out, lse, q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
+        num_heads, total_q, scale * LOG2E.value, q.stride(0), k.stride(0),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        NUM_STAGES=num_stages, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def launch_dq(

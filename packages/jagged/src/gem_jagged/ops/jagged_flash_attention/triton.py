@@ -105,7 +105,8 @@ class JaggedAttentionConfig:
     # dq_block_n (a gather index wider than its source along the axis can fail to compile).
     dq_diag_chunk: int = 64
     fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
-    # dK/dV and dQ by the Gluon kernels of ``hopper.py`` where they apply (sm_90, 2-byte, no bias)
+    # The Gluon kernels of ``hopper.py`` where they apply (sm_90, 2-byte, no bias)
+    fwd_hopper: bool = False
     dkdv_hopper: bool = False
     dq_hopper: bool = False
 
@@ -809,11 +810,21 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
+    grid = (work.num_slots * num_heads,)
+    if cfg.fwd_hopper and hopper.supported(
+        q, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
+    ):
+        hopper.launch_forward(
+            grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
+            block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
+            num_stages=cfg.fwd_stages,
+        )  # fmt: skip
+        return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
     k_src, v_src = k, v
     if tma:
         k_src, v_src = (_row_descriptor(t, cfg.fwd_block_n) for t in (k, v))
-    _jfa_fwd_kernel[(work.num_slots * num_heads,)](
+    _jfa_fwd_kernel[grid](
         q, k_src, v_src, out, lse, tiles, q_offsets, kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets, q.stride(0),
