@@ -45,10 +45,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gem_jagged._jit import BATCH_DEPENDENT
 
@@ -56,6 +59,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # A CTA-wide barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7 on.
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 HEAD_DIMS = (64, 128)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def supported(q: torch.Tensor, *, rel_bias: bool, rows: int, num_warps: int) -> bool:
@@ -155,11 +159,37 @@ def _online_softmax_step(
     return gl.convert_layout(p_MN.to(DTYPE), LHS_LAYOUT), alpha_M, m_new_M, l_M
 
 
+@gluon.jit
+def _load_key_block(k_desc, v_desc, k_dst, v_dst, ready, row, col, pred):
+    """Start the TMA copy of one K and one V block into a ring slot; ``ready`` flips when
+    both have landed. Skipped where ``pred`` is false (past the last block)."""
+    mbarrier.expect(ready, 2 * k_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row, col], ready, k_dst, pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [row, col], ready, v_dst, pred=pred)
+
+
+@gluon.jit
+def _wait_key_block(
+    v_dst, ready, phase, block_start, k_len,
+    LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Wait for a ring slot. A block running past the sequence's end holds the next sequence's
+    rows there: their scores are masked, but a V row of Inf or NaN would still reach the output
+    through a zero probability, so those V rows are zeroed in shared memory first."""
+    mbarrier.wait(ready, phase)
+    if block_start + BLOCK_N > k_len:
+        rows_N = block_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+        v_NH = v_dst.load(LAYOUT)
+        v_dst.store(gl.where((rows_N < k_len)[:, None], v_NH, 0.0))
+        fence_async_shared()  # generic-proxy stores, then wgmma's async-proxy reads
+        _cta_barrier()
+
+
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_fwd_hopper_kernel(
-    q_TqNH, k_TkNH, v_TkNH, out_TqNH, lse_NTq,
+    q_TqNH, k_desc, v_desc, out_TqNH, lse_NTq,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
-    num_heads, total_q, qk_scale_log2, stride_q, stride_kv,
+    num_heads, total_q, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -175,8 +205,10 @@ def _jfa_fwd_hopper_kernel(
     k_stop = gl.load(work_hi_W + slot)
     q_begin = gl.load(q_offsets_Bp1 + seq).to(gl.int64)
     q_len = (gl.load(q_offsets_Bp1 + seq + 1) - q_begin).to(gl.int32)
-    k_begin = gl.load(kv_offsets_Bp1 + seq).to(gl.int64)
+    k_begin = gl.load(kv_offsets_Bp1 + seq)
     k_len = (gl.load(kv_offsets_Bp1 + seq + 1) - k_begin).to(gl.int32)
+    k_row0 = k_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tk)
+    col0 = head * HEAD_DIM
     diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
     dtype: gl.constexpr = q_TqNH.dtype.element_ty
 
@@ -191,28 +223,24 @@ def _jfa_fwd_hopper_kernel(
     rows_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, HEAD_DIM], dtype
     )
-    keys_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_N, HEAD_DIM], dtype
-    )
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], keys_smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], keys_smem_layout)
-    q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
-    k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
-    v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
-
-    # Stage 0: the query tile and a full ring of key blocks in flight.
-    n_blocks = gl.cdiv(k_stop, BLOCK_N)
-    _copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        length = gl.where(i < n_blocks, k_len, 0)
-        _copy_rows_async(
-            k_smem.index(i), k_head, i * BLOCK_N, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
-        )
-        _copy_rows_async(
-            v_smem.index(i), v_head, i * BLOCK_N, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
-        )
-        async_copy.commit_group()
+        mbarrier.init(ready.index(i), count=1)
+
+    # Stage 0: the query tile (cp.async, rows past the end as zeros) and a full ring of key
+    # blocks (TMA) in flight.
+    n_blocks = gl.cdiv(k_stop, BLOCK_N)
+    q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
+    _copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
+    async_copy.commit_group()
+    for i in gl.static_range(NUM_STAGES):
+        _load_key_block(
+            k_desc, v_desc, k_smem.index(i), v_smem.index(i), ready.index(i),
+            k_row0 + i * BLOCK_N, col0, i < n_blocks,
+        )  # fmt: skip
     rows_M = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     full_stop = k_len  # key blocks from here on cross the causal diagonal or the end
     if CAUSAL:
@@ -222,12 +250,13 @@ def _jfa_fwd_hopper_kernel(
     m_M = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_M = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc_MH = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    async_copy.wait_group(0)
+    _cta_barrier()
+    fence_async_shared()  # cp.async wrote the query tile through the generic proxy
 
     if n_blocks > 0:
         # Stage 1 (block 0): S and its softmax; P₀ V₀ is issued with block 1's scores.
-        async_copy.wait_group(NUM_STAGES - 1)
-        _cta_barrier()
-        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
+        _wait_key_block(v_smem.index(0), ready.index(0), 0, 0, k_len, copy_layout, BLOCK_N)
         s_MN = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
         p_lhs, alpha_M, m_M, l_M = _online_softmax_step(
             s_MN, m_M, l_M, rows_M, 0, full_stop, k_len, diag, qk_scale_log2,
@@ -236,9 +265,10 @@ def _jfa_fwd_hopper_kernel(
         # Stage 2 (blocks 1 …): Sⱼ and Pⱼ₋₁ Vⱼ₋₁ on the tensor cores together; Sⱼ's softmax runs
         # while Pⱼ₋₁ Vⱼ₋₁ finishes; then O is rescaled and block j − 1's ring slot refilled.
         for j in range(1, n_blocks):
-            async_copy.wait_group(NUM_STAGES - 2)
-            _cta_barrier()
-            fence_async_shared()
+            _wait_key_block(
+                v_smem.index(j % NUM_STAGES), ready.index(j % NUM_STAGES),
+                (j // NUM_STAGES) & 1, j * BLOCK_N, k_len, copy_layout, BLOCK_N,
+            )  # fmt: skip
             s_MN = warpgroup_mma(
                 q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), no_scores_MN,
                 use_acc=False, is_async=True,
@@ -252,32 +282,14 @@ def _jfa_fwd_hopper_kernel(
             acc_MH, p_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(acc_MH, p_lhs))
             acc_MH = acc_MH * gl.convert_layout(alpha_M, gl.SliceLayout(1, acc_layout))[:, None]
             p_lhs = p_next
+            _cta_barrier()  # every warp is done with block j − 1's slot
             refill = j - 1 + NUM_STAGES
-            length = gl.where(refill < n_blocks, k_len, 0)
-            slot_free = (j - 1) % NUM_STAGES
-            _copy_rows_async(
-                k_smem.index(slot_free),
-                k_head,
-                refill * BLOCK_N,
-                length,
-                stride_kv,
-                copy_layout,
-                BLOCK_N,
-                HEAD_DIM,
-            )
-            _copy_rows_async(
-                v_smem.index(slot_free),
-                v_head,
-                refill * BLOCK_N,
-                length,
-                stride_kv,
-                copy_layout,
-                BLOCK_N,
-                HEAD_DIM,
-            )
-            async_copy.commit_group()
+            _load_key_block(
+                k_desc, v_desc, k_smem.index((j - 1) % NUM_STAGES),
+                v_smem.index((j - 1) % NUM_STAGES), ready.index((j - 1) % NUM_STAGES),
+                k_row0 + refill * BLOCK_N, col0, refill < n_blocks,
+            )  # fmt: skip
         acc_MH = warpgroup_mma(p_lhs, v_smem.index((n_blocks - 1) % NUM_STAGES), acc_MH)
-    async_copy.wait_group(0)
 
     # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
     seen_M = l_M > 0.0
@@ -612,16 +624,35 @@ def _jfa_dq_hopper_kernel(
     )
 
 
+def forward_supported(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward's TMA descriptors can cover ``k`` and ``v`` ``[Tk, N, H]`` (heads
+    dense) as ``[Tk, N·H]`` rows: 16-byte aligned base and row stride, 32-bit coordinates."""
+    return all(
+        t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+        and 0 < t.shape[0] < 2**31 - 2**16
+        for t in (k, v)
+    )  # fmt: skip
+
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor of ``t [T, N, H]`` as ``[T, N·H]``, blocks of ``rows`` rows × one head."""
+    block = [rows, t.shape[2]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    rows_2d = t.view(t.shape[0], t.shape[1] * t.shape[2])
+    return TensorDescriptor(rows_2d, list(rows_2d.shape), list(rows_2d.stride()), block, layout)
+
+
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
     *, scale, causal, block_m, block_n, num_warps, num_stages,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out contiguous)."""
+    leaves them, k and v ``forward_supported``; out contiguous)."""
     total_q, num_heads, head_dim = q.shape
     _jfa_fwd_hopper_kernel[grid](
-        q, k, v, out, lse, q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
-        num_heads, total_q, scale * LOG2E.value, q.stride(0), k.stride(0),
+        q, _row_descriptor(k, block_n), _row_descriptor(v, block_n), out, lse,
+        q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
+        num_heads, total_q, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip

@@ -811,8 +811,12 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
     grid = (work.num_slots * num_heads,)
-    if cfg.fwd_hopper and hopper.supported(
-        q, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
+    if (
+        cfg.fwd_hopper
+        and hopper.supported(
+            q, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
+        )
+        and hopper.forward_supported(k, v)
     ):
         hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
