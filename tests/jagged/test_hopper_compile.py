@@ -1,6 +1,6 @@
-"""The project's Triton kernels compile for Hopper (sm_90) with their GPU tile configs and code
-paths, checked on a machine without a GPU through ``scripts/hopper_compile.py`` (Triton
-compiles ahead of time)."""
+"""The project's Triton and Gluon kernels compile for Hopper (sm_90) with their GPU tile
+configs and code paths, checked on a machine without a GPU through
+``scripts/hopper_compile.py`` (Triton compiles ahead of time)."""
 
 import os
 import pathlib
@@ -21,6 +21,7 @@ def test_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     for kernel in (
         "_jfa_fwd_kernel", "_jfa_dq_kernel", "_jfa_dkdv_kernel", "_jfa_dkdv_finish_kernel",
+        "_jfa_fwd_hopper_kernel", "_jfa_dq_hopper_kernel", "_jfa_dkdv_hopper_kernel",
         "_gdpa_fwd_kernel", "_gdpa_bwd_dq_kernel", "_gdpa_bwd_dkdv_kernel",
         "_block_attention_fwd_kernel", "_block_attention_bwd_kernel", "_swiglu_fwd_kernel",
         "_swiglu_bwd_kernel", "cast_rows_kernel", "cast_both_kernel", "cast_columns_kernel",
@@ -29,3 +30,4 @@ def test_kernels_compile_for_sm90():
     ):  # fmt: skip
         assert f"| {kernel} |" in done.stdout, kernel
     assert "| jfa_bias | _jfa_dq_kernel |" in done.stdout
+    assert "| jfa_hopper | _jfa_dkdv_hopper_kernel |" in done.stdout

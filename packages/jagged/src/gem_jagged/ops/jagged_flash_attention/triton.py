@@ -50,6 +50,12 @@ the band loads its bias as a plain tile from ``relative_bias_tiles`` (``bias_til
 bias of every tile offset that is not constant, laid out per kernel geometry), one coalesced
 load like a key tile's, instead of computing and gathering a bucket per score.
 
+On Hopper the tile table can hand each of the three kernels to a Gluon twin (``hopper.py``:
+the same work lists and math, scheduled by hand with asynchronous ``wgmma`` and the tiles a
+program keeps in shared memory instead of registers); it does so at head dim 128 without a bias.
+These launchers choose, and the Triton kernels remain the interpreter's, the fallback off
+Hopper and the relative-bias path.
+
 Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
 ``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
 benchmark's ``--sweep`` times alternatives) rather than autotuned: the work list depends on the
@@ -120,12 +126,18 @@ _INTERPRETER_CONFIG = JaggedAttentionConfig(
 # dQ (one shared work list) and two dK/dV stages took J1's forward + backward from 1.30 to
 # 1.21 ms and J2's from 1.85 to 1.78 on an H200 (graph-replayed; docs/performance.md,
 # 2026-11-30). Streaming K and V through TMA took the forward from 0.307 to 0.275-0.287 ms on
-# J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session).
+# J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session). On Hopper the
+# Gluon kernels of ``hopper.py`` take head dim 128 (the Triton kernels stay the fallback
+# elsewhere): J1's forward + backward 1.21 -> 1.07 ms, J2's 1.77 -> 1.57, graph-replayed, the
+# dK/dV kernel with three stages (2026-11-30, eleventh session).
 _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
-    128: JaggedAttentionConfig(64, 64, 4, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 4, fwd_tma=True),
-}
+    128: JaggedAttentionConfig(
+        64, 64, 4, 3, 64, 128, 8, 3, 64, 64, 4, 2, 1024, 4,
+        fwd_tma=True, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True,
+    ),
+}  # fmt: skip
 # float32 (4-byte elements, IEEE dots): half-height tiles, two stages; correctness, not speed.
 _GPU_CONFIGS_FP32 = {
     32: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 1024, 4),
@@ -136,7 +148,8 @@ _GPU_CONFIGS_FP32 = {
 # bf16 / fp16 when the sequences average at most SHORT_KEYS keys (candidates, J3): a dK/dV
 # program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
 # at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
-# 0.195 ms on an H200). The forward and dQ share one query tile height (and work list) with the
+# 0.195 ms on an H200). The Triton kernels serve it on Hopper too: the Gluon backward ran J3's
+# in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query tile height (and work list) with the
 # table above. The forward loads its one key block by pointers: through TMA J3's forward ran
 # 0.103 ms against 0.112 on the device, but Triton encodes each descriptor on the host at every
 # launch, 127 us of host time per call against 96, and an eager J3 call is host-bound
@@ -147,7 +160,7 @@ _GPU_CONFIGS_SHORT_KEYS = {
 } | {
     128: dataclasses.replace(
         _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4,
-        fwd_tma=False,
+        fwd_tma=False, fwd_hopper=False, dkdv_hopper=False, dq_hopper=False,
     )
 }  # fmt: skip
 
