@@ -100,7 +100,7 @@ class _Patches:
             setattr(obj, name, value)
 
 
-def _hopper_supported(q, *, rel_bias, rows, num_warps):
+def _hopper_supported(q, *rows_TNH, rel_bias, rows, num_warps):
     """``hopper.supported`` with the device taken to be the sm_90 compiled for."""
     from gem_jagged.ops.jagged_flash_attention import hopper
 

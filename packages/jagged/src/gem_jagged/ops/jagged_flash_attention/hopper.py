@@ -62,10 +62,13 @@ HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def supported(q: torch.Tensor, *, rel_bias: bool, rows: int, num_warps: int) -> bool:
-    """Whether these kernels can run the backward of ``q``'s batch on its device, with tiles
-    of ``rows`` rows (keys for dK/dV, queries for dQ) on ``num_warps`` warps (16 rows per warp:
-    one wgmma slice each)."""
+def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int) -> bool:
+    """Whether these kernels can take a pass over the token-major tensors ``rows_TNH`` (q, k,
+    v, and the output and its gradient where read) on their device, with tiles of ``rows``
+    rows (keys for dK/dV, queries for the forward and dQ) on ``num_warps`` warps (16 rows per
+    warp: one wgmma slice each). The copies move 16-byte vectors, so every row must start
+    16-byte aligned with a row stride the compiler can see is a multiple of 16 elements."""
+    q = rows_TNH[0]
     return (
         q.is_cuda
         and torch.cuda.get_device_capability(q.device)[0] == 9
@@ -73,6 +76,7 @@ def supported(q: torch.Tensor, *, rel_bias: bool, rows: int, num_warps: int) -> 
         and q.shape[-1] in HEAD_DIMS
         and not rel_bias
         and rows == 16 * num_warps
+        and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in rows_TNH)
     )
 
 
@@ -624,14 +628,10 @@ def _jfa_dq_hopper_kernel(
     )
 
 
-def forward_supported(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the forward's TMA descriptors can cover ``k`` and ``v`` ``[Tk, N, H]`` (heads
-    dense) as ``[Tk, N·H]`` rows: 16-byte aligned base and row stride, 32-bit coordinates."""
-    return all(
-        t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-        and 0 < t.shape[0] < 2**31 - 2**16
-        for t in (k, v)
-    )  # fmt: skip
+def forward_supported(k: torch.Tensor) -> bool:
+    """Whether the forward's TMA coordinates (32-bit) reach every key row of ``k`` and the
+    ring's blocks past it; the alignment ``supported`` asks for suits the descriptors."""
+    return 0 < k.shape[0] < 2**31 - 2**16
 
 
 def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:

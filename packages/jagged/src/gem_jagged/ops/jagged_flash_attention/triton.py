@@ -827,9 +827,9 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
     if (
         cfg.fwd_hopper
         and hopper.supported(
-            q, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
+            q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
         )
-        and hopper.forward_supported(k, v)
+        and hopper.forward_supported(k)
     ):
         hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
@@ -918,8 +918,9 @@ def backward_dkdv(
     )
     grid = (kwork.num_slots * num_heads,)
     if cfg.dkdv_hopper and hopper.supported(
-        q, rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps
-    ):
+        q, k, v, dout,
+        rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+    ):  # fmt: skip
         hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
@@ -979,8 +980,9 @@ def backward_dq(
         rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
     )
     if cfg.dq_hopper and hopper.supported(
-        q, rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps
-    ):
+        q, k, v, out, dout,
+        rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
+    ):  # fmt: skip
         hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
