@@ -826,8 +826,8 @@ def test_hopper_kernels_keep_a_non_finite_sequence_to_itself(monkeypatch):
 @pytest.mark.gpu
 @needs_hopper
 def test_hopper_kernels_unused_for_rows_they_cannot_copy(monkeypatch):
-    """Rows 16-byte vectors cannot tile (a row stride one element past the heads: ``pad`` 1) take the
-    Triton kernels, with the same isolation of a non-finite sequence."""
+    """Rows 16-byte vectors cannot tile (a row stride one element past the heads: ``pad``
+    1) take the Triton kernels, with the same isolation of a non-finite sequence."""
     launches = _use_hopper(monkeypatch, enabled=True)
     _assert_other_sequences_untouched(
         [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=1
