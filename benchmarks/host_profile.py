@@ -89,6 +89,22 @@ def attention_steps(smoke: bool):
 
     steps["JFA J3 fwd+bwd"] = jfa_step
     steps["JFA J3 fwd"] = jfa_forward
+    # J1: causal self-attention over long histories (on Hopper, the Gluon kernels' launches)
+    w = workloads["J1"]
+    q1, k1, v1, do1 = ab.make_inputs(w, device, dtype, heads, head_dim)
+    off1 = common.offsets_of(w.q_lengths, device)
+    leaves1 = [t.detach().requires_grad_() for t in (q1, k1, v1)]
+
+    def jfa_j1_step():
+        out = jagged_flash_attention(*leaves1, off1, causal=True, backend="triton")
+        return torch.autograd.grad(out, leaves1, do1)
+
+    def jfa_j1_forward():
+        with torch.no_grad():
+            return jagged_flash_attention(*leaves1, off1, causal=True, backend="triton")
+
+    steps["JFA J1 fwd+bwd"] = jfa_j1_step
+    steps["JFA J1 fwd"] = jfa_j1_forward
     return steps
 
 

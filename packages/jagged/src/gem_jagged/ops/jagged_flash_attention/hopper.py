@@ -62,6 +62,16 @@ HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+_HOPPER: dict[int, bool] = {}
+
+
+def _is_hopper(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return _HOPPER[index]
+
+
 def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int) -> bool:
     """Whether these kernels can take a pass over the token-major tensors ``rows_TNH`` (q, k,
     v, and the output and its gradient where read) on their device, with tiles of ``rows``
@@ -71,7 +81,7 @@ def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int
     q = rows_TNH[0]
     return (
         q.is_cuda
-        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and _is_hopper(q.device)
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in HEAD_DIMS
         and not rel_bias
