@@ -134,7 +134,7 @@ _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     128: JaggedAttentionConfig(
-        64, 64, 4, 3, 64, 128, 8, 3, 64, 64, 4, 2, 1024, 4,
+        64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2, 1024, 4,
         fwd_tma=True, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True,
     ),
 }  # fmt: skip
