@@ -127,9 +127,9 @@ _INTERPRETER_CONFIG = JaggedAttentionConfig(
 # 1.21 ms and J2's from 1.85 to 1.78 on an H200 (graph-replayed; docs/performance.md,
 # 2026-11-30). Streaming K and V through TMA took the forward from 0.307 to 0.275-0.287 ms on
 # J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session). On Hopper the
-# Gluon kernels of ``hopper.py`` take head dim 128 (the Triton kernels stay the fallback
-# elsewhere): J1's forward + backward 1.21 -> 1.07 ms, J2's 1.77 -> 1.57, graph-replayed, the
-# dK/dV kernel with three stages (2026-11-30, eleventh session).
+# Gluon kernels of ``hopper.py`` take head dim 128, dK/dV on 64-key tiles with 4 warps (two
+# programs per SM): J1's forward + backward 1.21 -> 1.05 ms, J2's 1.77 -> 1.51, graph-replayed
+# (2026-11-30, eleventh session). The Triton fallback takes the same tiles.
 _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
