@@ -320,12 +320,11 @@ def test_eager_fast_path_matches_the_custom_op_and_dispatch_modes_see_the_op():
 
 
 def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
-    """The split rule on the benchmark's shapes (132 SMs): J1 and J2 stay whole, J3 (64 keys per
-    sequence, one key tile each, a 3635-row longest query range) is cut into 4 chunks."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
+    """The split rule on the benchmark's shapes (132 SMs), each with the tile table its keys per
+    sequence pick: J1 and J2 stay whole, J3 (64 keys per sequence, one key tile each, a
+    3635-row longest query range) is cut into 3 chunks."""
     monkeypatch.setattr(jfa_triton, "_sm_count", lambda device: 132)
-    cfg, cuda = jfa_triton._GPU_CONFIGS[128], torch.device("cuda")
+    cuda = torch.device("cuda")
     shapes = {  # (Tq, Tk, B, longest, causal)
         "J1": (52498, 52498, 64, 3635, True),
         "J2": (43129, 43129, 16, 5064, True),
@@ -334,7 +333,7 @@ def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
     }
     splits = {
         name: jfa_triton.dkdv_splits(
-            cfg,
+            jfa_triton.config_for(128, cuda, torch.bfloat16, keys_per_seq=tk / b),
             total_q=tq,
             total_kv=tk,
             num_seqs=b,
@@ -345,7 +344,7 @@ def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
         )  # fmt: skip
         for name, (tq, tk, b, longest, causal) in shapes.items()
     }
-    assert splits == {"J1": 1, "J2": 1, "J3": 4, "short": 1}
+    assert splits == {"J1": 1, "J2": 1, "J3": 3, "short": 1}
 
 
 @pytest.mark.parametrize(
@@ -710,7 +709,7 @@ def test_a_non_finite_sequence_never_reaches_its_neighbours(pad):
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: the Gluon kernels (``hopper.py``). Gluon has no CPU interpreter: these need an
+# GPU: the Gluon kernels (``hopper/``). Gluon has no CPU interpreter: these need an
 # sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernels, checks (by
 # a spy) that they ran, and holds the results to the tolerance rule against fp64.
 # ----------------------------------------------------------------------------------------------

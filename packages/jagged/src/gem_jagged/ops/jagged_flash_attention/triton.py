@@ -50,7 +50,7 @@ the band loads its bias as a plain tile from ``relative_bias_tiles`` (``bias_til
 bias of every tile offset that is not constant, laid out per kernel geometry), one coalesced
 load like a key tile's, instead of computing and gathering a bucket per score.
 
-On Hopper the tile table can hand each of the three kernels to a Gluon twin (``hopper.py``:
+On Hopper the tile table can hand each of the three kernels to a Gluon twin (``hopper/``:
 the same work lists and math, scheduled by hand with asynchronous ``wgmma`` and the tiles a
 program keeps in shared memory instead of registers); it does so at head dim 128 without a bias.
 These launchers choose, and the Triton kernels remain the interpreter's, the fallback off
@@ -111,7 +111,7 @@ class JaggedAttentionConfig:
     # dq_block_n (a gather index wider than its source along the axis can fail to compile).
     dq_diag_chunk: int = 64
     fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
-    # The Gluon kernels of ``hopper.py`` where they apply (sm_90, 2-byte, no bias)
+    # The Gluon kernels of ``hopper/`` where they apply (sm_90, 2-byte, no bias)
     fwd_hopper: bool = False
     dkdv_hopper: bool = False
     dq_hopper: bool = False
@@ -127,7 +127,7 @@ _INTERPRETER_CONFIG = JaggedAttentionConfig(
 # 1.21 ms and J2's from 1.85 to 1.78 on an H200 (graph-replayed; docs/performance.md,
 # 2026-11-30). Streaming K and V through TMA took the forward from 0.307 to 0.275-0.287 ms on
 # J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session). On Hopper the
-# Gluon kernels of ``hopper.py`` take head dim 128, dK/dV on 64-key tiles with 4 warps (two
+# Gluon kernels of ``hopper/`` take head dim 128, dK/dV on 64-key tiles with 4 warps (two
 # programs per SM): J1's forward + backward 1.21 -> 1.05 ms, J2's 1.77 -> 1.51, graph-replayed
 # (2026-11-30, eleventh session). The Triton fallback takes the same tiles.
 _GPU_CONFIGS = {

@@ -1,0 +1,166 @@
+"""Jagged flash attention on Hopper, written in Gluon (explicit layouts, asynchronous MMAs):
+the work of ``triton.py``'s forward, dK/dV and dQ kernels, from the same work lists, with the
+same math, scheduled by hand (``forward.py``, ``backward.py``; this module chooses and launches).
+
+Forward (one program per query tile and head, 2 per SM at head dim 128):
+
+    Q tile [M, H]                        → shared memory, once (cp.async)
+    K, V blocks [Nk, H]                  → a ring of NUM_STAGES slots (TMA, mbarriers)
+    S₀ = Q K₀ᵀ, softmax → P₀
+    for block j = 1, 2, …:
+        Sⱼ = Q Kⱼᵀ          wgmma, async ┐ on the tensor cores together
+        O += Pⱼ₋₁ Vⱼ₋₁      wgmma, async ┘ (Pⱼ₋₁ straight from registers)
+        online softmax of Sⱼ → Pⱼ, α     while O += Pⱼ₋₁ Vⱼ₋₁ finishes
+        O ·= α; refill block j − 1's slot
+    O += Pₙ₋₁ Vₙ₋₁; O / l, and the log-sum-exp
+
+dK/dV (one program per key tile, query-range chunk and head):
+
+    K, V tile [Nk, H]                    → shared memory, once (cp.async)
+    for each query block [M, H] of the chunk, NUM_STAGES − 1 blocks ahead (cp.async ring):
+        Sᵀ  = K Qᵀ          wgmma, async ┐ both issued before either is waited for
+        dPᵀ = V dOᵀ         wgmma, async ┘
+        Pᵀ  = exp2(Sᵀ · c − lse)          while dPᵀ is still on the tensor cores
+        dV += Pᵀ dO         wgmma, async, Pᵀ straight from registers
+        dSᵀ = Pᵀ ⊙ (dPᵀ − δ)              while dV's MMA runs
+        dK += dSᵀ Q         wgmma, async, dSᵀ from registers
+
+dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) for dK/dV):
+
+    Q, dO tile [M, H]                    → shared memory, once (cp.async)
+    for each key block [Nk, H] up to the tile's last visible key (cp.async ring):
+        S  = Q Kᵀ, dP = dO Vᵀ   wgmma, async, both in flight
+        P  = exp2(S · c − lse)            while dP is still on the tensor cores
+        dS = P ⊙ (dP − δ)
+        dQ += dS K          wgmma, async, dS from registers; it runs on while the next
+                            block's S and dP are issued, and is waited for before its key
+                            block's ring slot is refilled
+
+Why second kernels: Triton keeps the tiles a program holds for its whole loop (K and V in
+dK/dV, Q and dO in dQ) in registers next to the float32 accumulators and score tiles; its dK/dV
+kernel sits at the 255-register limit with spills (``ptxas``, sm_90), and the compiler does not
+overlap the exponentials with the MMAs. Here those tiles stay in shared memory, where ``wgmma``
+reads its left operand, and the MMAs are issued asynchronously in the order above. Small
+enough programs to run two per SM won over larger tiles everywhere it was measured
+(docs/performance.md, 2026-11-30, eleventh session).
+
+Sequence ends. Rows copied by ``cp.async`` past a sequence's end are zeros (the copy's mask),
+so a neighbour's Inf or NaN never meets a zero probability in a matmul. The forward's TMA
+blocks do read the next sequence's rows there: their scores are masked and their V rows zeroed
+in shared memory before the P V product. Rows past the end are never written.
+
+Gluon compiles for the GPU only (no interpreter): ``triton.py``'s launchers use these kernels
+on sm_90 for 2-byte inputs without a relative bias whose rows 16-byte copies can tile, where
+the tile table asks for them (``JaggedAttentionConfig.fwd_hopper``, ``dkdv_hopper``,
+``dq_hopper``), and the Triton kernels everywhere else. The GPU tests hold them to the
+tolerance rule against fp64 and compare them with Triton's.
+"""
+
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._common import LOG2E
+from .backward import _jfa_dkdv_hopper_kernel, _jfa_dq_hopper_kernel
+from .forward import _jfa_fwd_hopper_kernel
+
+HEAD_DIMS = (64, 128)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_HOPPER: dict[int, bool] = {}
+
+
+def _is_hopper(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return _HOPPER[index]
+
+
+def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int) -> bool:
+    """Whether these kernels can take a pass over the token-major tensors ``rows_TNH`` (q, k,
+    v, and the output and its gradient where read) on their device, with tiles of ``rows``
+    rows (keys for dK/dV, queries for the forward and dQ) on ``num_warps`` warps (16 rows per
+    warp: one wgmma slice each). The copies move 16-byte vectors, so every row must start
+    16-byte aligned with a row stride the compiler can see is a multiple of 16 elements."""
+    q = rows_TNH[0]
+    return (
+        q.is_cuda
+        and _is_hopper(q.device)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] in HEAD_DIMS
+        and not rel_bias
+        and rows == 16 * num_warps
+        and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in rows_TNH)
+    )
+
+
+def forward_supported(k: torch.Tensor) -> bool:
+    """Whether the forward's TMA coordinates (32-bit) reach every key row of ``k`` and the
+    ring's blocks past it; the alignment ``supported`` asks for suits the descriptors."""
+    return 0 < k.shape[0] < 2**31 - 2**16
+
+
+@functools.cache
+def _block_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a ``[rows, head_dim]`` block (made once: building a layout
+    costs about 25 us of host time)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
+
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor of ``t [T, N, H]`` as ``[T, N·H]``, blocks of ``rows`` rows × one head."""
+    layout = _block_layout(rows, t.shape[2], t.dtype)
+    rows_2d = t.view(t.shape[0], t.shape[1] * t.shape[2])
+    return TensorDescriptor(
+        rows_2d, list(rows_2d.shape), list(rows_2d.stride()), [rows, t.shape[2]], layout
+    )
+
+
+def launch_forward(
+    grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
+):  # fmt: skip
+    """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
+    leaves them, k and v ``forward_supported``; out contiguous)."""
+    total_q, num_heads, head_dim = q.shape
+    _jfa_fwd_hopper_kernel[grid](
+        q, _row_descriptor(k, block_n), _row_descriptor(v, block_n), out, lse,
+        q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
+        num_heads, total_q, scale * LOG2E.value, q.stride(0),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        NUM_STAGES=num_stages, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def launch_dq(
+    grid, q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
+):  # fmt: skip
+    """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
+    leaves them; out and dout contiguous); it fills ``delta`` as well."""
+    total_q, num_heads, head_dim = q.shape
+    _jfa_dq_hopper_kernel[grid](
+        q, k, v, out, dout, lse, delta, dq,
+        q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
+        num_heads, total_q, scale, scale * LOG2E.value, q.stride(0), k.stride(0),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        NUM_STAGES=num_stages, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def launch_dkdv(
+    grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
+):  # fmt: skip
+    """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
+    leaves them; dout contiguous)."""
+    total_q, num_heads, head_dim = q.shape
+    _jfa_dkdv_hopper_kernel[grid](
+        q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch,
+        q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
+        num_heads, total_q, scale, scale * LOG2E.value, q.stride(0), k.stride(0),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        NUM_STAGES=num_stages, num_warps=num_warps,
+    )  # fmt: skip

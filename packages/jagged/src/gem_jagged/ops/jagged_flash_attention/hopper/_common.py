@@ -1,0 +1,70 @@
+"""Pieces the Gluon kernels share: row copies into shared memory, row offsets, stores."""
+
+from triton import constexpr_function
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+LOG2E = gl.constexpr(1.4426950408889634)
+# A CTA-wide barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7 on.
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@constexpr_function
+def _row_copy_layout(head_dim, num_warps):
+    """16-byte vectors along the head dim, whole rows per group of threads."""
+    threads_per_row = head_dim // 8
+    return gl.BlockedLayout(
+        [1, 8], [32 // threads_per_row, threads_per_row], [num_warps, 1], [1, 0]
+    )
+
+
+@gluon.jit
+def _copy_rows_async(
+    smem_RH, head_ptr, first, length, stride,
+    LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Start copying rows ``[first, first + ROWS)`` of one head into ``smem_RH``; rows at or
+    past ``length`` are written as zeros and read nothing."""
+    rows_R = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    dims_H = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    ptrs_RH = head_ptr + rows_R.to(gl.int64)[:, None] * stride + dims_H[None, :]
+    mask_RH = (rows_R < length)[:, None] & (dims_H < HEAD_DIM)[None, :]
+    async_copy.async_copy_global_to_shared(smem_RH, ptrs_RH, mask=mask_RH)
+
+
+@gluon.jit
+def _head_rows(
+    seq_begin, first, length, stride, head,
+    LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Element offsets and in-sequence mask of rows ``[first, first + ROWS)`` of one head."""
+    rows_R = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    dims_H = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    offsets_RH = (seq_begin + rows_R.to(gl.int64))[:, None] * stride + head * HEAD_DIM
+    offsets_RH += dims_H[None, :]
+    mask_RH = (rows_R < length)[:, None] & (dims_H < HEAD_DIM)[None, :]
+    return offsets_RH, mask_RH
+
+
+@gluon.jit
+def _row_dots(
+    a_TNH, b_TNH, seq_begin, first, length, stride, head,
+    LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """``rowsum(a ⊙ b)`` in float32 over rows ``[first, first + ROWS)`` of one head."""
+    offsets_RH, mask_RH = _head_rows(seq_begin, first, length, stride, head, LAYOUT, ROWS, HEAD_DIM)
+    a_RH = gl.load(a_TNH + offsets_RH, mask=mask_RH, other=0.0).to(gl.float32)
+    b_RH = gl.load(b_TNH + offsets_RH, mask=mask_RH, other=0.0).to(gl.float32)
+    return gl.sum(a_RH * b_RH, axis=1)
+
+
+@gluon.jit
+def _store_rows(
+    dst_TNH, tile_RH, seq_begin, first, length, stride, head,
+    LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Store ``tile_RH`` (in ``LAYOUT``) as rows ``[first, first + ROWS)`` of one head, those
+    in the sequence only."""
+    offsets_RH, mask_RH = _head_rows(seq_begin, first, length, stride, head, LAYOUT, ROWS, HEAD_DIM)
+    gl.store(dst_TNH + offsets_RH, tile_RH, mask=mask_RH)
