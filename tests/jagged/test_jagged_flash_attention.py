@@ -748,6 +748,20 @@ def _all_ran(launches) -> bool:
     return {kernel for kernel, _ in launches} == {"forward", "dkdv", "dq"}
 
 
+def test_hopper_kernels_take_only_rows_16_byte_copies_can_tile():
+    """The rule that sends rows to the Triton kernels (checked here on the CPU; the GPU test
+    below runs the fallback): aligned rows at a stride of a multiple of 16 elements only."""
+    base = torch.zeros(64, 3 * 2 * 128 + 16, dtype=torch.bfloat16)
+    fused_qkv = base[:, :768].view(64, 3, 2, 128)  # q, k, v as views of one projection
+    assert all(hopper.tileable_rows(fused_qkv[:, i]) for i in range(3))
+    assert hopper.tileable_rows(torch.zeros(64, 2, 128, dtype=torch.bfloat16))
+    padded = torch.zeros(64, 2 * 128 + 1, dtype=torch.bfloat16)[:, :256].view(64, 2, 128)
+    assert not hopper.tileable_rows(padded)  # a row stride of 257 elements
+    shifted = torch.zeros(64 * 256 + 8, dtype=torch.bfloat16)[1 : 1 + 64 * 256].view(64, 2, 128)
+    assert not hopper.tileable_rows(shifted)  # rows 2 bytes off alignment
+    assert hopper.forward_supported(shifted) and not hopper.forward_supported(shifted[:0])
+
+
 HOPPER_CASES = [
     # (q lengths, kv lengths or None for self, causal, head dim): empty and length-1 sequences,
     # block edges ± 1, a long one, cross-attention over short and over longer keys

@@ -92,8 +92,14 @@ def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int
         and q.shape[-1] in HEAD_DIMS
         and not rel_bias
         and rows == 16 * num_warps
-        and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in rows_TNH)
+        and all(tileable_rows(t) for t in rows_TNH)
     )
+
+
+def tileable_rows(t: torch.Tensor) -> bool:
+    """Whether every row of ``t [T, ...]`` starts 16-byte aligned at a row stride the compiler
+    sees is a multiple of 16 elements (what the kernels' 16-byte copies need)."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
 def forward_supported(k: torch.Tensor) -> bool:
