@@ -529,9 +529,9 @@ def test_gpu_compile_and_cuda_graph_capture():
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replays_the_tma_forward():
-    """Without a bias at head dim 128 the forward reads K/V through TMA descriptors, which
-    Triton encodes on the host at launch: a captured step replays them (new values copied into
-    the same q, k, v) and matches a fresh eager step."""
+    """Without a bias at head dim 128 the forward reads K/V through TMA descriptors (on Hopper
+    the Gluon kernels run the whole step), encoded on the host at launch: a captured step
+    replays them (new values copied into the same q, k, v) and matches a fresh eager step."""
     lengths = [100, 0, 2500, 7]
     tensors, q_off, _ = _case(
         lengths, lengths, heads=2, head_dim=128, radius=None, seed=8, dtype=torch.bfloat16,
