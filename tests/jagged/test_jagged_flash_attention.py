@@ -67,6 +67,14 @@ def _fp64_truth(tensors, q_off, kv_off, *, causal):
     return [out, *(z if g is None else g for g, z in zip(grads, zeros, strict=True))]
 
 
+def _assert_results_within_reference_error(got, ref, truth, names):
+    """The tolerance rule on the output (2×) and every gradient (5×) of ``_run``'s results."""
+    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
+        assert_within_reference_error(
+            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
+        )
+
+
 def _check_against_fp64(lq, lk, *, causal, radius, seed, dtype, head_dim=32, heads=2):
     tensors, q_off, kv_off = _case(
         lq, lk, heads=heads, head_dim=head_dim, radius=radius, seed=seed, dtype=torch.float64
@@ -456,10 +464,7 @@ def test_gpu_matches_fp64_within_reference_error(dtype, lq, lk, causal, radius, 
     got, _ = _run(
         tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype, max_q_len=max(lq)
     )
-    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
-        assert_within_reference_error(
-            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
-        )
+    _assert_results_within_reference_error(got, ref, truth, names)
 
 
 @pytest.mark.gpu
@@ -473,11 +478,8 @@ def test_gpu_float32_fits_the_shared_memory_and_matches_fp64(head_dim):
     truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
     ref, names = _run(tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.float32)
     got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.float32)
-    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
-        assert got[i].dtype == torch.float32, name
-        assert_within_reference_error(
-            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
-        )
+    assert all(t.dtype == torch.float32 for t in got)
+    _assert_results_within_reference_error(got, ref, truth, names)
 
 
 @pytest.mark.gpu
@@ -792,10 +794,7 @@ def test_hopper_kernels_match_fp64_within_reference_error(
     launches = _use_hopper(monkeypatch, enabled=True)
     got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
     assert _all_ran(launches), launches
-    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
-        assert_within_reference_error(
-            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
-        )
+    _assert_results_within_reference_error(got, ref, truth, names)
     # Same inputs, same math, another schedule: within a few bf16/fp16 steps of Triton's.
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, triton_results, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
@@ -820,10 +819,7 @@ def test_hopper_kernels_split_key_tiles_and_ring_depths(monkeypatch, stages):
     )
     got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
     assert _all_ran(launches) and all(kw["num_stages"] == stages for _, kw in launches)
-    for i, name in enumerate(["out", *(f"d{n}" for n in names)]):
-        assert_within_reference_error(
-            got[i], ref[i], truth[i], factor=2.0 if i == 0 else 5.0, name=name
-        )
+    _assert_results_within_reference_error(got, ref, truth, names)
 
 
 @pytest.mark.gpu

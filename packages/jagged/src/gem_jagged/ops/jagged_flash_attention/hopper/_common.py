@@ -10,8 +10,29 @@ LOG2E = gl.constexpr(1.4426950408889634)
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
+@gluon.jit
+def load_sequence(offsets_Bp1, seq):
+    """``(first token as int64, length as int32)`` of sequence ``seq``."""
+    begin = gl.load(offsets_Bp1 + seq).to(gl.int64)
+    return begin, (gl.load(offsets_Bp1 + seq + 1) - begin).to(gl.int32)
+
+
 @constexpr_function
-def _row_copy_layout(head_dim, num_warps):
+def wgmma_layout(cols, num_warps):
+    """The accumulator layout of a ``[16 · num_warps, cols]`` wgmma product: 16 rows a warp."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16]
+    )
+
+
+@constexpr_function
+def lhs_layout(acc_layout):
+    """Registers feeding 2-byte elements to a wgmma with ``acc_layout`` as its left operand."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
+@constexpr_function
+def row_copy_layout(head_dim, num_warps):
     """16-byte vectors along the head dim, whole rows per group of threads."""
     threads_per_row = head_dim // 8
     return gl.BlockedLayout(
@@ -20,7 +41,7 @@ def _row_copy_layout(head_dim, num_warps):
 
 
 @gluon.jit
-def _copy_rows_async(
+def copy_rows_async(
     smem_RH, head_ptr, first, length, stride,
     LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
@@ -34,7 +55,7 @@ def _copy_rows_async(
 
 
 @gluon.jit
-def _head_rows(
+def head_rows(
     seq_begin, first, length, stride, head,
     LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
@@ -48,23 +69,23 @@ def _head_rows(
 
 
 @gluon.jit
-def _row_dots(
+def row_dots(
     a_TNH, b_TNH, seq_begin, first, length, stride, head,
     LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
     """``rowsum(a ⊙ b)`` in float32 over rows ``[first, first + ROWS)`` of one head."""
-    offsets_RH, mask_RH = _head_rows(seq_begin, first, length, stride, head, LAYOUT, ROWS, HEAD_DIM)
+    offsets_RH, mask_RH = head_rows(seq_begin, first, length, stride, head, LAYOUT, ROWS, HEAD_DIM)
     a_RH = gl.load(a_TNH + offsets_RH, mask=mask_RH, other=0.0).to(gl.float32)
     b_RH = gl.load(b_TNH + offsets_RH, mask=mask_RH, other=0.0).to(gl.float32)
     return gl.sum(a_RH * b_RH, axis=1)
 
 
 @gluon.jit
-def _store_rows(
+def store_rows(
     dst_TNH, tile_RH, seq_begin, first, length, stride, head,
     LAYOUT: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
     """Store ``tile_RH`` (in ``LAYOUT``) as rows ``[first, first + ROWS)`` of one head, those
     in the sequence only."""
-    offsets_RH, mask_RH = _head_rows(seq_begin, first, length, stride, head, LAYOUT, ROWS, HEAD_DIM)
+    offsets_RH, mask_RH = head_rows(seq_begin, first, length, stride, head, LAYOUT, ROWS, HEAD_DIM)
     gl.store(dst_TNH + offsets_RH, tile_RH, mask=mask_RH)

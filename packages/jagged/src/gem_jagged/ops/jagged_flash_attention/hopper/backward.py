@@ -12,8 +12,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from gem_jagged._jit import BATCH_DEPENDENT
 
-from ._common import LOG2E, _copy_rows_async, _head_rows, _row_copy_layout, _row_dots, _store_rows
-from ._common import cta_barrier as _cta_barrier
+from ._common import (
+    LOG2E,
+    copy_rows_async,
+    cta_barrier,
+    head_rows,
+    lhs_layout,
+    load_sequence,
+    row_copy_layout,
+    row_dots,
+    store_rows,
+    wgmma_layout,
+)
 
 
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
@@ -36,23 +46,17 @@ def _jfa_dkdv_hopper_kernel(
     q_lo = gl.load(work_lo_W + slot)
     q_hi = gl.load(work_hi_W + slot)
     splits = gl.load(work_splits_W + slot)
-    q_begin = gl.load(q_offsets_Bp1 + seq).to(gl.int64)
-    q_len = (gl.load(q_offsets_Bp1 + seq + 1) - q_begin).to(gl.int32)
-    k_begin = gl.load(kv_offsets_Bp1 + seq).to(gl.int64)
-    k_len = (gl.load(kv_offsets_Bp1 + seq + 1) - k_begin).to(gl.int32)
+    q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
+    k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
     diag = k_len - q_len
     stride_o = num_heads * HEAD_DIM  # dO, dK, dV and the scratch are contiguous
     dtype: gl.constexpr = q_TqNH.dtype.element_ty
 
     # Layouts: rows of the key tile over the warps (16 each), as one wgmma slice per warp.
-    copy_layout: gl.constexpr = _row_copy_layout(HEAD_DIM, num_warps)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    copy_layout: gl.constexpr = row_copy_layout(HEAD_DIM, num_warps)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
+    lhs_op_layout: gl.constexpr = lhs_layout(acc_layout)
     keys_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_N, HEAD_DIM], dtype
     )
@@ -74,15 +78,15 @@ def _jfa_dkdv_hopper_kernel(
 
     # Stage 0: the key tile, and the first query blocks of the ring, in flight together.
     n_blocks = gl.cdiv(q_hi - q_lo, BLOCK_M)
-    _copy_rows_async(k_smem, k_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
-    _copy_rows_async(v_smem, v_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
+    copy_rows_async(k_smem, k_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
+    copy_rows_async(v_smem, v_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
     for i in gl.static_range(NUM_STAGES - 1):
         length = gl.where(i < n_blocks, q_len, 0)
         first = q_lo + i * BLOCK_M
-        _copy_rows_async(
+        copy_rows_async(
             q_smem.index(i), q_head, first, length, stride_q, copy_layout, BLOCK_M, HEAD_DIM
         )
-        _copy_rows_async(
+        copy_rows_async(
             do_smem.index(i), do_head, first, length, stride_o, copy_layout, BLOCK_M, HEAD_DIM
         )
         async_copy.commit_group()
@@ -102,7 +106,7 @@ def _jfa_dkdv_hopper_kernel(
         length = gl.where(ahead < n_blocks, q_len, 0)
         first = q_lo + ahead * BLOCK_M
         slot_ahead = ahead % NUM_STAGES
-        _copy_rows_async(
+        copy_rows_async(
             q_smem.index(slot_ahead),
             q_head,
             first,
@@ -112,7 +116,7 @@ def _jfa_dkdv_hopper_kernel(
             BLOCK_M,
             HEAD_DIM,
         )
-        _copy_rows_async(
+        copy_rows_async(
             do_smem.index(slot_ahead),
             do_head,
             first,
@@ -129,7 +133,7 @@ def _jfa_dkdv_hopper_kernel(
         lse_M = gl.load(lse_head + rows_M, mask=row_ok_M, other=float("inf")) * LOG2E
         delta_M = gl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
         async_copy.wait_group(NUM_STAGES - 1)
-        _cta_barrier()
+        cta_barrier()
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
         q_MH = q_smem.index(j % NUM_STAGES)
         do_MH = do_smem.index(j % NUM_STAGES)
@@ -148,13 +152,13 @@ def _jfa_dkdv_hopper_kernel(
         if CAUSAL:
             if block_start < mask_stop:
                 p_NM = gl.where(cols_N[:, None] <= rows_M[None, :] + diag, p_NM, 0.0)
-        p_lhs = gl.convert_layout(p_NM.to(dtype), lhs_layout)
+        p_lhs = gl.convert_layout(p_NM.to(dtype), lhs_op_layout)
         dv_NH = warpgroup_mma(p_lhs, do_MH, dv_NH, is_async=True)
         dp_NM = warpgroup_mma_wait(num_outstanding=1, deps=(dp_NM,))
 
         # Stage 4: dSᵀ and dK += dSᵀ Q; both accumulators settle before the ring slot is reused.
         ds_NM = p_NM * (dp_NM - delta_M[None, :])
-        ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_layout)
+        ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
         dk_NH = warpgroup_mma(ds_lhs, q_MH, dk_NH, is_async=True)
         dv_NH, dk_NH, p_lhs, ds_lhs = warpgroup_mma_wait(
             num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs, ds_lhs)
@@ -164,7 +168,7 @@ def _jfa_dkdv_hopper_kernel(
     # Stage 5: write the key tile's rows (a split tile adds its part into the float32 scratch),
     # one accumulator at a time through the copy layout (coalesced rows).
     dk_NH = dk_NH * scale
-    offsets_CH, mask_CH = _head_rows(
+    offsets_CH, mask_CH = head_rows(
         k_begin, k_start, k_len, stride_o, head, copy_layout, BLOCK_N, HEAD_DIM
     )
     if splits > 1:
@@ -200,22 +204,16 @@ def _jfa_dq_hopper_kernel(
         return
     q_start = gl.load(work_start_W + slot)
     k_stop = gl.load(work_hi_W + slot)
-    q_begin = gl.load(q_offsets_Bp1 + seq).to(gl.int64)
-    q_len = (gl.load(q_offsets_Bp1 + seq + 1) - q_begin).to(gl.int32)
-    k_begin = gl.load(kv_offsets_Bp1 + seq).to(gl.int64)
-    k_len = (gl.load(kv_offsets_Bp1 + seq + 1) - k_begin).to(gl.int32)
+    q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
+    k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
     diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
     stride_o = num_heads * HEAD_DIM  # O, dO and dQ are contiguous
     dtype: gl.constexpr = q_TqNH.dtype.element_ty
 
-    copy_layout: gl.constexpr = _row_copy_layout(HEAD_DIM, num_warps)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    copy_layout: gl.constexpr = row_copy_layout(HEAD_DIM, num_warps)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
+    lhs_op_layout: gl.constexpr = lhs_layout(acc_layout)
     rows_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, HEAD_DIM], dtype
     )
@@ -236,19 +234,19 @@ def _jfa_dq_hopper_kernel(
     # Stage 0: the query tile and the first key blocks of the ring in flight; meanwhile
     # δ = rowsum(dO ⊙ O), stored for the dK/dV kernel (each query row is in one tile).
     n_blocks = gl.cdiv(k_stop, BLOCK_N)
-    _copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
-    _copy_rows_async(do_smem, do_head, q_start, q_len, stride_o, copy_layout, BLOCK_M, HEAD_DIM)
+    copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
+    copy_rows_async(do_smem, do_head, q_start, q_len, stride_o, copy_layout, BLOCK_M, HEAD_DIM)
     for i in gl.static_range(NUM_STAGES - 1):
         length = gl.where(i < n_blocks, k_len, 0)
         first = i * BLOCK_N
-        _copy_rows_async(
+        copy_rows_async(
             k_smem.index(i), k_head, first, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
         )
-        _copy_rows_async(
+        copy_rows_async(
             v_smem.index(i), v_head, first, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
         )
         async_copy.commit_group()
-    delta_C = _row_dots(
+    delta_C = row_dots(
         out_TqNH, do_TqNH, q_begin, q_start, q_len, stride_o, head, copy_layout, BLOCK_M, HEAD_DIM
     )
     rows_C = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
@@ -267,11 +265,11 @@ def _jfa_dq_hopper_kernel(
     no_scores_MN = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     # dQ is carried through the loop as an MMA in flight (waited for inside each step)
     dq_MH = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
-    ds_lhs = gl.zeros([BLOCK_M, BLOCK_N], dtype, lhs_layout)
+    ds_lhs = gl.zeros([BLOCK_M, BLOCK_N], dtype, lhs_op_layout)
     for j in range(n_blocks):
         block_start = j * BLOCK_N
         async_copy.wait_group(NUM_STAGES - 2)
-        _cta_barrier()
+        cta_barrier()
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
         k_NH = k_smem.index(j % NUM_STAGES)
         v_NH = v_smem.index(j % NUM_STAGES)
@@ -288,7 +286,7 @@ def _jfa_dq_hopper_kernel(
         ahead = j + NUM_STAGES - 1
         length = gl.where(ahead < n_blocks, k_len, 0)
         slot_ahead = ahead % NUM_STAGES
-        _copy_rows_async(
+        copy_rows_async(
             k_smem.index(slot_ahead),
             k_head,
             ahead * BLOCK_N,
@@ -298,7 +296,7 @@ def _jfa_dq_hopper_kernel(
             BLOCK_N,
             HEAD_DIM,
         )
-        _copy_rows_async(
+        copy_rows_async(
             v_smem.index(slot_ahead),
             v_head,
             ahead * BLOCK_N,
@@ -324,13 +322,13 @@ def _jfa_dq_hopper_kernel(
 
         # Stage 3: dS, and dQ += dS K left running into the next block.
         ds_MN = p_MN * (dp_MN - delta_M[:, None])
-        ds_lhs = gl.convert_layout(ds_MN.to(dtype), lhs_layout)
+        ds_lhs = gl.convert_layout(ds_MN.to(dtype), lhs_op_layout)
         dq_MH = warpgroup_mma(ds_lhs, k_NH, dq_MH, is_async=True)
     dq_MH, ds_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(dq_MH, ds_lhs))
     async_copy.wait_group(0)
 
     # Stage 4: write the tile's dQ rows.
     dq_CH = gl.convert_layout((dq_MH * scale).to(dq_TqNH.dtype.element_ty), copy_layout)
-    _store_rows(
+    store_rows(
         dq_TqNH, dq_CH, q_begin, q_start, q_len, stride_o, head, copy_layout, BLOCK_M, HEAD_DIM
     )

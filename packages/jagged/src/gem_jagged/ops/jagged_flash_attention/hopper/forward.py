@@ -13,8 +13,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from gem_jagged._jit import BATCH_DEPENDENT
 
-from ._common import _copy_rows_async, _row_copy_layout, _store_rows
-from ._common import cta_barrier as _cta_barrier
+from ._common import (
+    copy_rows_async,
+    cta_barrier,
+    lhs_layout,
+    load_sequence,
+    row_copy_layout,
+    store_rows,
+    wgmma_layout,
+)
 
 
 @gluon.jit
@@ -63,7 +70,7 @@ def _wait_key_block(
         v_NH = v_dst.load(LAYOUT)
         v_dst.store(gl.where((rows_N < k_len)[:, None], v_NH, 0.0))
         fence_async_shared()  # generic-proxy stores, then wgmma's async-proxy reads
-        _cta_barrier()
+        cta_barrier()
 
 
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
@@ -84,23 +91,17 @@ def _jfa_fwd_hopper_kernel(
         return
     q_start = gl.load(work_start_W + slot)
     k_stop = gl.load(work_hi_W + slot)
-    q_begin = gl.load(q_offsets_Bp1 + seq).to(gl.int64)
-    q_len = (gl.load(q_offsets_Bp1 + seq + 1) - q_begin).to(gl.int32)
-    k_begin = gl.load(kv_offsets_Bp1 + seq)
-    k_len = (gl.load(kv_offsets_Bp1 + seq + 1) - k_begin).to(gl.int32)
+    q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
+    k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
     k_row0 = k_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tk)
     col0 = head * HEAD_DIM
     diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
     dtype: gl.constexpr = q_TqNH.dtype.element_ty
 
-    copy_layout: gl.constexpr = _row_copy_layout(HEAD_DIM, num_warps)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    copy_layout: gl.constexpr = row_copy_layout(HEAD_DIM, num_warps)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
+    lhs_op_layout: gl.constexpr = lhs_layout(acc_layout)
     rows_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, HEAD_DIM], dtype
     )
@@ -115,7 +116,7 @@ def _jfa_fwd_hopper_kernel(
     # blocks (TMA) in flight.
     n_blocks = gl.cdiv(k_stop, BLOCK_N)
     q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
-    _copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
+    copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
     async_copy.commit_group()
     for i in gl.static_range(NUM_STAGES):
         _load_key_block(
@@ -132,7 +133,7 @@ def _jfa_fwd_hopper_kernel(
     l_M = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc_MH = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
     async_copy.wait_group(0)
-    _cta_barrier()
+    cta_barrier()
     fence_async_shared()  # cp.async wrote the query tile through the generic proxy
 
     if n_blocks > 0:
@@ -141,7 +142,7 @@ def _jfa_fwd_hopper_kernel(
         s_MN = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
         p_lhs, alpha_M, m_M, l_M = _online_softmax_step(
             s_MN, m_M, l_M, rows_M, 0, full_stop, k_len, diag, qk_scale_log2,
-            CAUSAL, BLOCK_N, dtype, lhs_layout,
+            CAUSAL, BLOCK_N, dtype, lhs_op_layout,
         )  # fmt: skip
         # Stage 2 (blocks 1 …): Sⱼ and Pⱼ₋₁ Vⱼ₋₁ on the tensor cores together; Sⱼ's softmax runs
         # while Pⱼ₋₁ Vⱼ₋₁ finishes; then O is rescaled and block j − 1's ring slot refilled.
@@ -158,12 +159,12 @@ def _jfa_fwd_hopper_kernel(
             s_MN = warpgroup_mma_wait(num_outstanding=1, deps=(s_MN,))
             p_next, alpha_M, m_M, l_M = _online_softmax_step(
                 s_MN, m_M, l_M, rows_M, j * BLOCK_N, full_stop, k_len, diag, qk_scale_log2,
-                CAUSAL, BLOCK_N, dtype, lhs_layout,
+                CAUSAL, BLOCK_N, dtype, lhs_op_layout,
             )  # fmt: skip
             acc_MH, p_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(acc_MH, p_lhs))
             acc_MH = acc_MH * gl.convert_layout(alpha_M, gl.SliceLayout(1, acc_layout))[:, None]
             p_lhs = p_next
-            _cta_barrier()  # every warp is done with block j − 1's slot
+            cta_barrier()  # every warp is done with block j − 1's slot
             refill = j - 1 + NUM_STAGES
             _load_key_block(
                 k_desc, v_desc, k_smem.index((j - 1) % NUM_STAGES),
@@ -179,7 +180,7 @@ def _jfa_fwd_hopper_kernel(
     lse_M = gl.where(seen_M, (m_M + gl.log2(l_safe_M)) * 0.6931471805599453, float("inf"))
     stride_o = num_heads * HEAD_DIM  # the output is contiguous
     out_CH = gl.convert_layout(out_MH.to(out_TqNH.dtype.element_ty), copy_layout)
-    _store_rows(
+    store_rows(
         out_TqNH, out_CH, q_begin, q_start, q_len, stride_o, head, copy_layout, BLOCK_M, HEAD_DIM
     )
     gl.store(lse_NTq + head * total_q + q_begin + rows_M, lse_M, mask=rows_M < q_len)
