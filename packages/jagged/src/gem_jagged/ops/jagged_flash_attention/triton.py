@@ -53,8 +53,9 @@ load like a key tile's, instead of computing and gathering a bucket per score.
 On Hopper the tile table can hand each of the three kernels to a Gluon twin (``hopper/``:
 the same work lists and math, scheduled by hand with asynchronous ``wgmma`` and the tiles a
 program keeps in shared memory instead of registers); it does so at head dim 128 without a bias.
-These launchers choose, and the Triton kernels remain the interpreter's, the fallback off
-Hopper and the relative-bias path.
+The launchers below choose. The Triton kernels remain what the interpreter runs, the fallback
+off Hopper and for rows the Gluon copies cannot tile, and the relative-bias and short-keys
+paths.
 
 Tile shapes are fixed per head dim and element size (``_GPU_CONFIGS`` for bf16/fp16,
 ``_GPU_CONFIGS_FP32`` with smaller tiles, so that float32 inputs fit the shared memory; the
@@ -149,8 +150,8 @@ _GPU_CONFIGS_FP32 = {
 # program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
 # at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
 # 0.195 ms on an H200). The Triton kernels serve it on Hopper too: the Gluon backward ran J3's
-# in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query tile height (and work list) with the
-# table above. The forward loads its one key block by pointers: through TMA J3's forward ran
+# in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query
+# tile height (and work list) with the table above. The forward loads its one key block by pointers: through TMA J3's forward ran
 # 0.103 ms against 0.112 on the device, but Triton encodes each descriptor on the host at every
 # launch, 127 us of host time per call against 96, and an eager J3 call is host-bound
 # (docs/performance.md, 2026-11-30, tenth session).
