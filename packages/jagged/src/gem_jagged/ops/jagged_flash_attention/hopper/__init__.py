@@ -71,8 +71,11 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _HOPPER: dict[int, bool] = {}
 
 
-def _is_hopper(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an sm_90 GPU (the answer remembered per device)."""
+    if not t.is_cuda:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _HOPPER:
         _HOPPER[index] = torch.cuda.get_device_capability(index)[0] == 9
     return _HOPPER[index]
@@ -86,8 +89,7 @@ def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int
     16-byte aligned with a row stride the compiler can see is a multiple of 16 elements."""
     q = rows_TNH[0]
     return (
-        q.is_cuda
-        and _is_hopper(q.device)
+        on_hopper(q)
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in HEAD_DIMS
         and not rel_bias
