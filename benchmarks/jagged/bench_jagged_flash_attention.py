@@ -333,10 +333,6 @@ def _sweep_variants(base, workload: str):
         "fwd hopper s4": r(base, fwd_hopper=True, fwd_stages=4),
         "fwd hopper n128 s2": r(base, fwd_hopper=True, fwd_block_n=128, fwd_stages=2),
         "fwd hopper m128 w8": r(base, fwd_hopper=True, fwd_block_m=128, fwd_warps=8),
-        "dq in dkdv" if not base.dq_in_dkdv else "dq kernel": r(
-            base, dkdv_hopper=True, dq_in_dkdv=not base.dq_in_dkdv
-        ),
-        "dq in dkdv s3": r(base, dkdv_hopper=True, dq_in_dkdv=True, dkdv_stages=3),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {

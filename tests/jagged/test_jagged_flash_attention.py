@@ -172,10 +172,9 @@ def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal, tabl
 
 
 def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
-    """Forward, the backward's choice of a dQ kernel, dQ, dK/dV and the compiled op's fake shape
-    all ask for the tiles of the bias path when there is a bias (their work lists must agree),
-    and for the plain ones without; all of them for the batch's keys per sequence (the
-    short-keys table)."""
+    """Forward, dQ, dK/dV and the compiled op's fake shape all ask for the tiles of the bias path
+    when there is a bias (their work lists must agree), and for the plain ones without; all of
+    them for the batch's keys per sequence (the short-keys table)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -200,7 +199,7 @@ def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
                 fake["q"], fake["k"], fake["v"], mode.from_tensor(q_off),
                 mode.from_tensor(kv_off), fake.get("rel_bias"), True, 0.1, None, "triton",
             )  # fmt: skip
-        assert len(asked) == 5 and set(asked) == {radius is not None}, asked
+        assert len(asked) == 4 and set(asked) == {radius is not None}, asked
 
 
 def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():
@@ -711,18 +710,6 @@ def test_a_non_finite_sequence_never_reaches_its_neighbours(pad):
     )
 
 
-@pytest.mark.parametrize("total", [0, 1, 63, 64, 65, 200])
-def test_row_dots_is_the_rowsum_of_the_product(total):
-    """δ = rowsum(dO ⊙ O) per token and head, ``[N, T]``, across row-block edges: the
-    backward's δ where no dQ kernel computes it (the dK/dV kernel then sums dQ)."""
-    gen = torch.Generator().manual_seed(total)
-    a, b = (torch.randn(total, 3, 32, generator=gen).to(torch.float16) for _ in range(2))
-    got = jfa_triton.row_dots(a, b)
-    want = (a.double() * b.double()).sum(-1).T
-    assert got.shape == (3, total) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-
-
 # ----------------------------------------------------------------------------------------------
 # GPU: the Gluon kernels (``hopper/``). Gluon has no CPU interpreter: these need an
 # sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernels, checks (by
@@ -759,10 +746,8 @@ def _use_hopper(monkeypatch, *, enabled: bool, **fields) -> list:
     return launches
 
 
-def _all_ran(launches, *, dq_in_dkdv: bool = False) -> bool:
-    """Whether the forward and the backward kernels ran (no dQ kernel when dK/dV sums dQ)."""
-    expected = {"forward", "dkdv"} | (set() if dq_in_dkdv else {"dq"})
-    return {kernel for kernel, _ in launches} == expected
+def _all_ran(launches) -> bool:
+    return {kernel for kernel, _ in launches} == {"forward", "dkdv", "dq"}
 
 
 def test_hopper_kernels_take_only_rows_16_byte_copies_can_tile():
@@ -792,11 +777,10 @@ HOPPER_CASES = [
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dq_in_dkdv", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("lq", "lk", "causal", "head_dim"), HOPPER_CASES)
 def test_hopper_kernels_match_fp64_within_reference_error(
-    monkeypatch, dtype, lq, lk, causal, head_dim, dq_in_dkdv
+    monkeypatch, dtype, lq, lk, causal, head_dim
 ):
     lk = lq if lk is None else lk
     tensors, q_off, kv_off = _case(
@@ -807,9 +791,9 @@ def test_hopper_kernels_match_fp64_within_reference_error(
     ref, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
     assert not _use_hopper(monkeypatch, enabled=False)
     triton_results, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
-    launches = _use_hopper(monkeypatch, enabled=True, dq_in_dkdv=dq_in_dkdv)
+    launches = _use_hopper(monkeypatch, enabled=True)
     got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
-    assert _all_ran(launches, dq_in_dkdv=dq_in_dkdv), launches
+    assert _all_ran(launches), launches
     _assert_results_within_reference_error(got, ref, truth, names)
     # Same inputs, same math, another schedule: within a few bf16/fp16 steps of Triton's.
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, triton_results, strict=True):
@@ -818,9 +802,8 @@ def test_hopper_kernels_match_fp64_within_reference_error(
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dq_in_dkdv", [False, True])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_hopper_kernels_split_key_tiles_and_ring_depths(monkeypatch, stages, dq_in_dkdv):
+def test_hopper_kernels_split_key_tiles_and_ring_depths(monkeypatch, stages):
     """Split key tiles (partial sums through the float32 scratch) and each ring depth."""
     lq = [4000, 1, 130, 0, 64]
     tensors, q_off, kv_off = _case(
@@ -828,28 +811,25 @@ def test_hopper_kernels_split_key_tiles_and_ring_depths(monkeypatch, stages, dq_
     )
     monkeypatch.setattr(jfa_triton, "dkdv_splits", lambda cfg, **kw: 3)
     launches = _use_hopper(
-        monkeypatch, enabled=True, fwd_stages=stages, dkdv_stages=stages, dq_stages=stages,
-        dq_in_dkdv=dq_in_dkdv,
-    )  # fmt: skip
+        monkeypatch, enabled=True, fwd_stages=stages, dkdv_stages=stages, dq_stages=stages
+    )
     truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
     ref, names = _run(
         tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16
     )
     got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
-    assert _all_ran(launches, dq_in_dkdv=dq_in_dkdv)
-    assert all(kw["num_stages"] == stages for _, kw in launches)
+    assert _all_ran(launches) and all(kw["num_stages"] == stages for _, kw in launches)
     _assert_results_within_reference_error(got, ref, truth, names)
 
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dq_in_dkdv", [False, True])
-def test_hopper_kernels_keep_a_non_finite_sequence_to_itself(monkeypatch, dq_in_dkdv):
-    launches = _use_hopper(monkeypatch, enabled=True, dq_in_dkdv=dq_in_dkdv)
+def test_hopper_kernels_keep_a_non_finite_sequence_to_itself(monkeypatch):
+    launches = _use_hopper(monkeypatch, enabled=True)
     _assert_other_sequences_untouched(
         [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=0
     )
-    assert _all_ran(launches, dq_in_dkdv=dq_in_dkdv)
+    assert _all_ran(launches)
 
 
 @pytest.mark.gpu

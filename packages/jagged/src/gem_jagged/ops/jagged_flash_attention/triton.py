@@ -116,8 +116,6 @@ class JaggedAttentionConfig:
     fwd_hopper: bool = False
     dkdv_hopper: bool = False
     dq_hopper: bool = False
-    # The Gluon dK/dV kernel adds each block's dQ part into a float32 sum (no dQ kernel)
-    dq_in_dkdv: bool = False
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
@@ -875,22 +873,6 @@ def jfa_backward(
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
-    cfg = config_for(
-        q.shape[2], q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
-        rel_bias=rel_bias is not None,
-    )  # fmt: skip
-    if cfg.dq_in_dkdv and hopper.supported(
-        q, k, v, dout, rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n,
-        num_warps=cfg.dkdv_warps,
-    ):  # fmt: skip
-        # One pass: δ, then the dK/dV kernel adds every block's dQ part into a float32 sum.
-        delta = row_dots(out, dout)
-        dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = backward_dkdv(
-            dout, q, k, v, lse, delta, q_offsets, kv_offsets,
-            causal=causal, scale=scale, rel_bias=None, max_q_len=max_q_len, dq_sum=dq_sum,
-        )  # fmt: skip
-        return dq_sum.to(q.dtype), dk, dv, None
     # dQ first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then reads.
     dq, dbias, delta = backward_dq(
         dout, q, k, v, out, lse, q_offsets, kv_offsets,
@@ -904,12 +886,10 @@ def jfa_backward(
 
 
 def backward_dkdv(
-    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
-    dq_sum=None,
-):  # fmt: skip
+    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
+):
     """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout contiguous) from the key-tile
-    work list, long query ranges split; with ``dq_sum`` (float32, zeros, q's shape), the Gluon
-    kernel adds dQ into it as well."""
+    work list, long query ranges split."""
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
     cfg = config_for(
@@ -943,7 +923,7 @@ def backward_dkdv(
         rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
     ):  # fmt: skip
         hopper.launch_dkdv(
-            grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, dq_sum, q_offsets,
+            grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )  # fmt: skip
@@ -966,34 +946,6 @@ def backward_dkdv(
             HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
         )  # fmt: skip
     return dk, dv
-
-
-@jit
-def _row_dots_kernel(
-    a_TNH, b_TNH, dots_NT, total, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    """``dots[n, t] = Σ_h a[t, n, h] · b[t, n, h]`` in float32 for one block of rows, one head."""
-    rows_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    offsets_TH = rows_T.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM
-    offsets_TH += tl.arange(0, HEAD_DIM)[None, :]
-    row_ok_T = rows_T < total
-    a_TH = tl.load(a_TNH + offsets_TH, mask=row_ok_T[:, None], other=0.0).to(tl.float32)
-    b_TH = tl.load(b_TNH + offsets_TH, mask=row_ok_T[:, None], other=0.0).to(tl.float32)
-    tl.store(dots_NT + head * total + rows_T, tl.sum(a_TH * b_TH, 1), mask=row_ok_T)
-
-
-def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``δ [N, T] = rowsum(a ⊙ b)`` in float32 per token and head, of contiguous ``[T, N, H]``
-    tensors (the backward's ``rowsum(dO ⊙ O)`` where no dQ kernel computes it)."""
-    total, num_heads, head_dim = a.shape
-    dots = torch.empty(num_heads, total, dtype=torch.float32, device=a.device)
-    block = 64
-    _row_dots_kernel[(-(-total // block), num_heads)](
-        a, b, dots, total, num_heads, HEAD_DIM=head_dim, BLOCK_T=block
-    )
-    return dots
 
 
 def backward_dq(

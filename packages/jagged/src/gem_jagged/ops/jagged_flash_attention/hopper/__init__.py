@@ -159,18 +159,16 @@ def launch_dq(
 
 
 def launch_dkdv(
-    grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, dq_sum, q_offsets,
-    kv_offsets, kwork, *, scale, causal, block_m, block_n, num_warps, num_stages,
+    grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
 ):  # fmt: skip
     """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; dout contiguous); with ``dq_sum`` (float32 zeros, q's shape) not None, it
-    adds dQ into it too."""
+    leaves them; dout contiguous)."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dkdv_hopper_kernel[grid](
         q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch,
-        dk_scratch if dq_sum is None else dq_sum,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
         num_heads, total_q, scale, scale * LOG2E.value, q.stride(0), k.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        FUSE_DQ=dq_sum is not None, NUM_STAGES=num_stages, num_warps=num_warps,
+        NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip

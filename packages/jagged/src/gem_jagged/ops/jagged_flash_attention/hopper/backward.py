@@ -29,11 +29,11 @@ from ._common import (
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_dkdv_hopper_kernel(
     q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq,
-    dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH, dq_sum_TqNH,
+    dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
     num_heads, total_q, scale, qk_scale_log2, stride_q, stride_kv,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    FUSE_DQ: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_N == 16 * num_warps, "one 16-row wgmma slice of the key tile per warp")
     pid = gl.program_id(0)
@@ -68,16 +68,6 @@ def _jfa_dkdv_hopper_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], keys_smem_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], rows_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], rows_smem_layout)
-    if FUSE_DQ:  # dSᵀ goes through shared memory, where dQ's MMA reads it transposed
-        ds_smem = gl.allocate_shared_memory(
-            dtype,
-            [BLOCK_N, BLOCK_M],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype),
-        )
-        dq_rows_M = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        dq_dims_H = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        dq_head = dq_sum_TqNH + (q_begin * stride_o + head * HEAD_DIM)
-        no_rows_MH = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
 
     k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
@@ -168,28 +158,11 @@ def _jfa_dkdv_hopper_kernel(
 
         # Stage 4: dSᵀ and dK += dSᵀ Q; both accumulators settle before the ring slot is reused.
         ds_NM = p_NM * (dp_NM - delta_M[None, :])
-        if FUSE_DQ:
-            # Stage 4': dSᵀ to shared memory; this block's dQ part = dS K goes out first,
-            # then dK += dSᵀ Q runs while that part is added into the float32 sum.
-            ds_smem.store(ds_NM.to(dtype))
-            fence_async_shared()
-            cta_barrier()
-            dq_MH = warpgroup_mma(
-                ds_smem.permute((1, 0)), k_smem, no_rows_MH, use_acc=False, is_async=True
-            )
-            dk_NH = warpgroup_mma(ds_smem, q_MH, dk_NH, is_async=True)
-            dq_MH = warpgroup_mma_wait(num_outstanding=1, deps=(dq_MH,))
-            rows_dq_M = block_start + dq_rows_M
-            offsets_MH = rows_dq_M.to(gl.int64)[:, None] * stride_o + dq_dims_H[None, :]
-            mask_MH = (rows_dq_M < q_len)[:, None] & (dq_dims_H < HEAD_DIM)[None, :]
-            gl.atomic_add(dq_head + offsets_MH, dq_MH * scale, mask=mask_MH, sem="relaxed")
-            dv_NH, dk_NH, p_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs))
-        else:
-            ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
-            dk_NH = warpgroup_mma(ds_lhs, q_MH, dk_NH, is_async=True)
-            dv_NH, dk_NH, p_lhs, ds_lhs = warpgroup_mma_wait(
-                num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs, ds_lhs)
-            )
+        ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
+        dk_NH = warpgroup_mma(ds_lhs, q_MH, dk_NH, is_async=True)
+        dv_NH, dk_NH, p_lhs, ds_lhs = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs, ds_lhs)
+        )
     async_copy.wait_group(0)
 
     # Stage 5: write the key tile's rows (a split tile adds its part into the float32 scratch),
