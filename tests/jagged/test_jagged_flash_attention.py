@@ -761,7 +761,7 @@ def test_hopper_kernels_take_only_rows_16_byte_copies_can_tile():
     assert not hopper.tileable_rows(padded)  # a row stride of 257 elements
     shifted = torch.zeros(64 * 256 + 8, dtype=torch.bfloat16)[1 : 1 + 64 * 256].view(64, 2, 128)
     assert not hopper.tileable_rows(shifted)  # rows 2 bytes off alignment
-    assert hopper.forward_supported(shifted) and not hopper.forward_supported(shifted[:0])
+    assert hopper.tma_reachable(shifted) and not hopper.tma_reachable(shifted[:0])
 
 
 HOPPER_CASES = [

@@ -116,6 +116,11 @@ class JaggedAttentionConfig:
     fwd_hopper: bool = False
     dkdv_hopper: bool = False
     dq_hopper: bool = False
+    # Registers per thread the Gluon kernels may use (None: the compiler's choice, up to 255);
+    # fewer can fit one more program on an SM
+    fwd_max_registers: int | None = None
+    dkdv_max_registers: int | None = None
+    dq_max_registers: int | None = None
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
@@ -825,17 +830,13 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
     grid = (work.num_slots * num_heads,)
-    if (
-        cfg.fwd_hopper
-        and hopper.supported(
-            q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
-        )
-        and hopper.forward_supported(k)
+    if cfg.fwd_hopper and hopper.supported(
+        q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
     ):
         hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
             block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_stages,
+            num_stages=cfg.fwd_stages, max_registers=cfg.fwd_max_registers,
         )  # fmt: skip
         return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
@@ -926,6 +927,7 @@ def backward_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+            max_registers=cfg.dkdv_max_registers,
         )  # fmt: skip
     else:
         _jfa_dkdv_kernel[grid](
@@ -987,7 +989,7 @@ def backward_dq(
         hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, max_registers=cfg.dq_max_registers,
         )  # fmt: skip
     else:
         _jfa_dq_kernel[(num_programs,)](

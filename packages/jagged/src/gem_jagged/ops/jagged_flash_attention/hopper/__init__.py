@@ -86,7 +86,8 @@ def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int
     v, and the output and its gradient where read) on their device, with tiles of ``rows``
     rows (keys for dK/dV, queries for the forward and dQ) on ``num_warps`` warps (16 rows per
     warp: one wgmma slice each). The copies move 16-byte vectors, so every row must start
-    16-byte aligned with a row stride the compiler can see is a multiple of 16 elements."""
+    16-byte aligned with a row stride the compiler can see is a multiple of 16 elements, and
+    the TMA copies' 32-bit coordinates must reach every row."""
     q = rows_TNH[0]
     return (
         on_hopper(q)
@@ -94,7 +95,7 @@ def supported(*rows_TNH: torch.Tensor, rel_bias: bool, rows: int, num_warps: int
         and q.shape[-1] in HEAD_DIMS
         and not rel_bias
         and rows == 16 * num_warps
-        and all(tileable_rows(t) for t in rows_TNH)
+        and all(tileable_rows(t) and tma_reachable(t) for t in rows_TNH)
     )
 
 
@@ -104,10 +105,10 @@ def tileable_rows(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
-def forward_supported(k: torch.Tensor) -> bool:
-    """Whether the forward's TMA coordinates (32-bit) reach every key row of ``k`` and the
-    ring's blocks past it; the alignment ``supported`` asks for suits the descriptors."""
-    return 0 < k.shape[0] < 2**31 - 2**16
+def tma_reachable(t: torch.Tensor) -> bool:
+    """Whether the TMA copies' 32-bit row coordinates reach every row of ``t [T, ...]`` and the
+    ring's blocks past it (and there is a row at all)."""
+    return 0 < t.shape[0] < 2**31 - 2**16
 
 
 @functools.cache
@@ -128,47 +129,48 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, max_registers=None,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them, k and v ``forward_supported``; out contiguous)."""
+    leaves them; out contiguous)."""
     total_q, num_heads, head_dim = q.shape
     _jfa_fwd_hopper_kernel[grid](
         q, _row_descriptor(k, block_n), _row_descriptor(v, block_n), out, lse,
         q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        NUM_STAGES=num_stages, num_warps=num_warps,
+        NUM_STAGES=num_stages, num_warps=num_warps, maxnreg=max_registers,
     )  # fmt: skip
 
 
 def launch_dq(
     grid, q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, max_registers=None,
 ):  # fmt: skip
     """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out and dout contiguous); it fills ``delta`` as well."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dq_hopper_kernel[grid](
-        q, k, v, out, dout, lse, delta, dq,
+        q, _row_descriptor(k, block_n), _row_descriptor(v, block_n), out, dout, lse, delta, dq,
         q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
-        num_heads, total_q, scale, scale * LOG2E.value, q.stride(0), k.stride(0),
+        num_heads, total_q, scale, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        NUM_STAGES=num_stages, num_warps=num_warps,
+        NUM_STAGES=num_stages, num_warps=num_warps, maxnreg=max_registers,
     )  # fmt: skip
 
 
 def launch_dkdv(
     grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, max_registers=None,
 ):  # fmt: skip
     """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; dout contiguous)."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dkdv_hopper_kernel[grid](
-        q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch,
+        _row_descriptor(q, block_m), k, v, _row_descriptor(dout, block_m), lse, delta, dk, dv,
+        dk_scratch, dv_scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
-        num_heads, total_q, scale, scale * LOG2E.value, q.stride(0), k.stride(0),
+        num_heads, total_q, scale, scale * LOG2E.value, k.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        NUM_STAGES=num_stages, num_warps=num_warps,
+        NUM_STAGES=num_stages, num_warps=num_warps, maxnreg=max_registers,
     )  # fmt: skip

@@ -4,6 +4,7 @@ from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # A CTA-wide barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7 on.
@@ -52,6 +53,33 @@ def copy_rows_async(
     ptrs_RH = head_ptr + rows_R.to(gl.int64)[:, None] * stride + dims_H[None, :]
     mask_RH = (rows_R < length)[:, None] & (dims_H < HEAD_DIM)[None, :]
     async_copy.async_copy_global_to_shared(smem_RH, ptrs_RH, mask=mask_RH)
+
+
+@gluon.jit
+def load_block_pair(a_desc, b_desc, a_dst, b_dst, ready, row, col, pred):
+    """Start the TMA copies of one block of each of two row tensors (K and V, or Q and dO)
+    into a ring slot; ``ready`` flips when both have landed. Skipped where ``pred`` is false
+    (past the last block)."""
+    mbarrier.expect(ready, 2 * a_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [row, col], ready, a_dst, pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [row, col], ready, b_dst, pred=pred)
+
+
+@gluon.jit
+def wait_block_pair(
+    a_dst, b_dst, ready, phase, first, length, LAYOUT: gl.constexpr, ROWS: gl.constexpr
+):
+    """Wait for a ring slot filled by ``load_block_pair``. A block running past the sequence's
+    end holds the next sequence's rows there (or the copy engine's zeros past the tensor):
+    their scores are masked, but a row of Inf or NaN would still reach a product through a
+    zero factor, so both blocks' rows at or past ``length`` are zeroed in shared memory."""
+    mbarrier.wait(ready, phase)
+    if first + ROWS > length:
+        keep_R = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT)) < length
+        a_dst.store(gl.where(keep_R[:, None], a_dst.load(LAYOUT), 0.0))
+        b_dst.store(gl.where(keep_R[:, None], b_dst.load(LAYOUT), 0.0))
+        fence_async_shared()  # generic-proxy stores, then wgmma's async-proxy reads
+        cta_barrier()
 
 
 @gluon.jit

@@ -5,6 +5,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -18,24 +19,27 @@ from ._common import (
     cta_barrier,
     head_rows,
     lhs_layout,
+    load_block_pair,
     load_sequence,
     row_copy_layout,
     row_dots,
     store_rows,
+    wait_block_pair,
     wgmma_layout,
 )
 
 
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_dkdv_hopper_kernel(
-    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq,
+    q_desc, k_TkNH, v_TkNH, do_desc, lse_NTq, delta_NTq,
     dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
-    num_heads, total_q, scale, qk_scale_log2, stride_q, stride_kv,
+    num_heads, total_q, scale, qk_scale_log2, stride_kv,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_N == 16 * num_warps, "one 16-row wgmma slice of the key tile per warp")
+    gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
     pid = gl.program_id(0)
     slot = pid // num_heads
     head = pid % num_heads
@@ -48,9 +52,11 @@ def _jfa_dkdv_hopper_kernel(
     splits = gl.load(work_splits_W + slot)
     q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
+    q_row0 = q_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tq)
+    col0 = head * HEAD_DIM
     diag = k_len - q_len
-    stride_o = num_heads * HEAD_DIM  # dO, dK, dV and the scratch are contiguous
-    dtype: gl.constexpr = q_TqNH.dtype.element_ty
+    stride_o = num_heads * HEAD_DIM  # dK, dV and the scratch are contiguous
+    dtype: gl.constexpr = k_TkNH.dtype.element_ty
 
     # Layouts: rows of the key tile over the warps (16 each), as one wgmma slice per warp.
     copy_layout: gl.constexpr = row_copy_layout(HEAD_DIM, num_warps)
@@ -60,36 +66,34 @@ def _jfa_dkdv_hopper_kernel(
     keys_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_N, HEAD_DIM], dtype
     )
-    rows_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, HEAD_DIM], dtype
-    )
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], keys_smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], keys_smem_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], rows_smem_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], rows_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
 
     k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
-    q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
-    do_head = do_TqNH + q_begin * stride_o + head * HEAD_DIM
     lse_head = lse_NTq + head * total_q + q_begin
     delta_head = delta_NTq + head * total_q + q_begin
 
-    # Stage 0: the key tile, and the first query blocks of the ring, in flight together.
+    # Stage 0: the key tile (cp.async, rows past the end as zeros) and the first query blocks
+    # of the ring (TMA) in flight together.
     n_blocks = gl.cdiv(q_hi - q_lo, BLOCK_M)
     copy_rows_async(k_smem, k_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
     copy_rows_async(v_smem, v_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
+    async_copy.commit_group()
     for i in gl.static_range(NUM_STAGES - 1):
-        length = gl.where(i < n_blocks, q_len, 0)
-        first = q_lo + i * BLOCK_M
-        copy_rows_async(
-            q_smem.index(i), q_head, first, length, stride_q, copy_layout, BLOCK_M, HEAD_DIM
-        )
-        copy_rows_async(
-            do_smem.index(i), do_head, first, length, stride_o, copy_layout, BLOCK_M, HEAD_DIM
-        )
-        async_copy.commit_group()
+        load_block_pair(
+            q_desc, do_desc, q_smem.index(i), do_smem.index(i), ready.index(i),
+            q_row0 + q_lo + i * BLOCK_M, col0, i < n_blocks,
+        )  # fmt: skip
+    async_copy.wait_group(0)
+    cta_barrier()
+    fence_async_shared()  # cp.async wrote the key tile through the generic proxy
 
     # Query blocks starting before the last key's diagonal need the causal mask.
     mask_stop = q_lo
@@ -102,41 +106,24 @@ def _jfa_dkdv_hopper_kernel(
     dv_NH = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     for j in range(n_blocks):
         # Stage 1: refill the ring slot freed by the previous block, then wait for this one.
+        cta_barrier()  # every warp is done with block j − 1's slot
         ahead = j + NUM_STAGES - 1
-        length = gl.where(ahead < n_blocks, q_len, 0)
-        first = q_lo + ahead * BLOCK_M
-        slot_ahead = ahead % NUM_STAGES
-        copy_rows_async(
-            q_smem.index(slot_ahead),
-            q_head,
-            first,
-            length,
-            stride_q,
-            copy_layout,
-            BLOCK_M,
-            HEAD_DIM,
-        )
-        copy_rows_async(
-            do_smem.index(slot_ahead),
-            do_head,
-            first,
-            length,
-            stride_o,
-            copy_layout,
-            BLOCK_M,
-            HEAD_DIM,
-        )
-        async_copy.commit_group()
+        load_block_pair(
+            q_desc, do_desc, q_smem.index(ahead % NUM_STAGES), do_smem.index(ahead % NUM_STAGES),
+            ready.index(ahead % NUM_STAGES), q_row0 + q_lo + ahead * BLOCK_M, col0,
+            ahead < n_blocks,
+        )  # fmt: skip
         block_start = q_lo + j * BLOCK_M
         rows_M = block_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         row_ok_M = rows_M < q_len
         lse_M = gl.load(lse_head + rows_M, mask=row_ok_M, other=float("inf")) * LOG2E
         delta_M = gl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
-        async_copy.wait_group(NUM_STAGES - 1)
-        cta_barrier()
-        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
         q_MH = q_smem.index(j % NUM_STAGES)
         do_MH = do_smem.index(j % NUM_STAGES)
+        wait_block_pair(
+            q_MH, do_MH, ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1, block_start, q_len,
+            copy_layout, BLOCK_M,
+        )  # fmt: skip
 
         # Stage 2: both score-shaped products on the tensor cores at once.
         s_NM = warpgroup_mma(
@@ -163,7 +150,6 @@ def _jfa_dkdv_hopper_kernel(
         dv_NH, dk_NH, p_lhs, ds_lhs = warpgroup_mma_wait(
             num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs, ds_lhs)
         )
-    async_copy.wait_group(0)
 
     # Stage 5: write the key tile's rows (a split tile adds its part into the float32 scratch),
     # one accumulator at a time through the copy layout (coalesced rows).
@@ -188,9 +174,9 @@ def _jfa_dkdv_hopper_kernel(
 
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_dq_hopper_kernel(
-    q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, dq_TqNH,
+    q_TqNH, k_desc, v_desc, out_TqNH, do_TqNH, lse_NTq, delta_NTq, dq_TqNH,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
-    num_heads, total_q, scale, qk_scale_log2, stride_q, stride_kv,
+    num_heads, total_q, scale, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -206,6 +192,8 @@ def _jfa_dq_hopper_kernel(
     k_stop = gl.load(work_hi_W + slot)
     q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
+    k_row0 = k_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tk)
+    col0 = head * HEAD_DIM
     diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right causal)
     stride_o = num_heads * HEAD_DIM  # O, dO and dQ are contiguous
     dtype: gl.constexpr = q_TqNH.dtype.element_ty
@@ -217,35 +205,29 @@ def _jfa_dq_hopper_kernel(
     rows_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, HEAD_DIM], dtype
     )
-    keys_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_N, HEAD_DIM], dtype
-    )
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], keys_smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], keys_smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
 
     q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
     do_head = do_TqNH + q_begin * stride_o + head * HEAD_DIM
-    k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
-    v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
 
-    # Stage 0: the query tile and the first key blocks of the ring in flight; meanwhile
-    # δ = rowsum(dO ⊙ O), stored for the dK/dV kernel (each query row is in one tile).
+    # Stage 0: the query tile (cp.async) and the first key blocks of the ring (TMA) in flight;
+    # meanwhile δ = rowsum(dO ⊙ O), stored for the dK/dV kernel (each query row is in one tile).
     n_blocks = gl.cdiv(k_stop, BLOCK_N)
     copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
     copy_rows_async(do_smem, do_head, q_start, q_len, stride_o, copy_layout, BLOCK_M, HEAD_DIM)
+    async_copy.commit_group()
     for i in gl.static_range(NUM_STAGES - 1):
-        length = gl.where(i < n_blocks, k_len, 0)
-        first = i * BLOCK_N
-        copy_rows_async(
-            k_smem.index(i), k_head, first, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
-        )
-        copy_rows_async(
-            v_smem.index(i), v_head, first, length, stride_kv, copy_layout, BLOCK_N, HEAD_DIM
-        )
-        async_copy.commit_group()
+        load_block_pair(
+            k_desc, v_desc, k_smem.index(i), v_smem.index(i), ready.index(i),
+            k_row0 + i * BLOCK_N, col0, i < n_blocks,
+        )  # fmt: skip
     delta_C = row_dots(
         out_TqNH, do_TqNH, q_begin, q_start, q_len, stride_o, head, copy_layout, BLOCK_M, HEAD_DIM
     )
@@ -256,6 +238,9 @@ def _jfa_dq_hopper_kernel(
     delta_M = gl.convert_layout(delta_C, gl.SliceLayout(1, s_layout))
     lse_M = gl.load(lse_NTq + head * total_q + q_begin + rows_M, mask=row_ok_M, other=float("inf"))
     lse_M = lse_M * LOG2E
+    async_copy.wait_group(0)
+    cta_barrier()
+    fence_async_shared()  # cp.async wrote the query tile through the generic proxy
 
     # Key blocks from ``full_stop`` on cross the causal diagonal or the sequence's end.
     full_stop = k_len
@@ -268,11 +253,12 @@ def _jfa_dq_hopper_kernel(
     ds_lhs = gl.zeros([BLOCK_M, BLOCK_N], dtype, lhs_op_layout)
     for j in range(n_blocks):
         block_start = j * BLOCK_N
-        async_copy.wait_group(NUM_STAGES - 2)
-        cta_barrier()
-        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
         k_NH = k_smem.index(j % NUM_STAGES)
         v_NH = v_smem.index(j % NUM_STAGES)
+        wait_block_pair(
+            k_NH, v_NH, ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1, block_start, k_len,
+            copy_layout, BLOCK_N,
+        )  # fmt: skip
 
         # Stage 1: S and dP issued behind the previous block's dQ MMA; once only this block's
         # two remain in flight, that MMA is done and its ring slot can be refilled.
@@ -283,30 +269,12 @@ def _jfa_dq_hopper_kernel(
             do_smem, v_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
         )
         dq_MH, ds_lhs = warpgroup_mma_wait(num_outstanding=2, deps=(dq_MH, ds_lhs))
+        cta_barrier()  # every warp is done with block j − 1's slot
         ahead = j + NUM_STAGES - 1
-        length = gl.where(ahead < n_blocks, k_len, 0)
-        slot_ahead = ahead % NUM_STAGES
-        copy_rows_async(
-            k_smem.index(slot_ahead),
-            k_head,
-            ahead * BLOCK_N,
-            length,
-            stride_kv,
-            copy_layout,
-            BLOCK_N,
-            HEAD_DIM,
-        )
-        copy_rows_async(
-            v_smem.index(slot_ahead),
-            v_head,
-            ahead * BLOCK_N,
-            length,
-            stride_kv,
-            copy_layout,
-            BLOCK_N,
-            HEAD_DIM,
-        )
-        async_copy.commit_group()
+        load_block_pair(
+            k_desc, v_desc, k_smem.index(ahead % NUM_STAGES), v_smem.index(ahead % NUM_STAGES),
+            ready.index(ahead % NUM_STAGES), k_row0 + ahead * BLOCK_N, col0, ahead < n_blocks,
+        )  # fmt: skip
 
         # Stage 2: P from the saved log-sum-exp while dP finishes; blocks crossing the
         # diagonal or the end are masked.
@@ -325,7 +293,6 @@ def _jfa_dq_hopper_kernel(
         ds_lhs = gl.convert_layout(ds_MN.to(dtype), lhs_op_layout)
         dq_MH = warpgroup_mma(ds_lhs, k_NH, dq_MH, is_async=True)
     dq_MH, ds_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(dq_MH, ds_lhs))
-    async_copy.wait_group(0)
 
     # Stage 4: write the tile's dQ rows.
     dq_CH = gl.convert_layout((dq_MH * scale).to(dq_TqNH.dtype.element_ty), copy_layout)

@@ -6,7 +6,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -17,9 +16,11 @@ from ._common import (
     copy_rows_async,
     cta_barrier,
     lhs_layout,
+    load_block_pair,
     load_sequence,
     row_copy_layout,
     store_rows,
+    wait_block_pair,
     wgmma_layout,
 )
 
@@ -45,32 +46,6 @@ def _online_softmax_step(
     alpha_M = gl.exp2(m_M - m_use_M)
     l_M = l_M * alpha_M + gl.sum(p_MN, axis=1)
     return gl.convert_layout(p_MN.to(DTYPE), LHS_LAYOUT), alpha_M, m_new_M, l_M
-
-
-@gluon.jit
-def _load_key_block(k_desc, v_desc, k_dst, v_dst, ready, row, col, pred):
-    """Start the TMA copy of one K and one V block into a ring slot; ``ready`` flips when
-    both have landed. Skipped where ``pred`` is false (past the last block)."""
-    mbarrier.expect(ready, 2 * k_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [row, col], ready, k_dst, pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [row, col], ready, v_dst, pred=pred)
-
-
-@gluon.jit
-def _wait_key_block(
-    v_dst, ready, phase, block_start, k_len,
-    LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
-):  # fmt: skip
-    """Wait for a ring slot. A block running past the sequence's end holds the next sequence's
-    rows there: their scores are masked, but a V row of Inf or NaN would still reach the output
-    through a zero probability, so those V rows are zeroed in shared memory first."""
-    mbarrier.wait(ready, phase)
-    if block_start + BLOCK_N > k_len:
-        rows_N = block_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-        v_NH = v_dst.load(LAYOUT)
-        v_dst.store(gl.where((rows_N < k_len)[:, None], v_NH, 0.0))
-        fence_async_shared()  # generic-proxy stores, then wgmma's async-proxy reads
-        cta_barrier()
 
 
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
@@ -119,7 +94,7 @@ def _jfa_fwd_hopper_kernel(
     copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
     async_copy.commit_group()
     for i in gl.static_range(NUM_STAGES):
-        _load_key_block(
+        load_block_pair(
             k_desc, v_desc, k_smem.index(i), v_smem.index(i), ready.index(i),
             k_row0 + i * BLOCK_N, col0, i < n_blocks,
         )  # fmt: skip
@@ -138,7 +113,9 @@ def _jfa_fwd_hopper_kernel(
 
     if n_blocks > 0:
         # Stage 1 (block 0): S and its softmax; P₀ V₀ is issued with block 1's scores.
-        _wait_key_block(v_smem.index(0), ready.index(0), 0, 0, k_len, copy_layout, BLOCK_N)
+        wait_block_pair(
+            k_smem.index(0), v_smem.index(0), ready.index(0), 0, 0, k_len, copy_layout, BLOCK_N
+        )
         s_MN = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
         p_lhs, alpha_M, m_M, l_M = _online_softmax_step(
             s_MN, m_M, l_M, rows_M, 0, full_stop, k_len, diag, qk_scale_log2,
@@ -147,9 +124,10 @@ def _jfa_fwd_hopper_kernel(
         # Stage 2 (blocks 1 …): Sⱼ and Pⱼ₋₁ Vⱼ₋₁ on the tensor cores together; Sⱼ's softmax runs
         # while Pⱼ₋₁ Vⱼ₋₁ finishes; then O is rescaled and block j − 1's ring slot refilled.
         for j in range(1, n_blocks):
-            _wait_key_block(
-                v_smem.index(j % NUM_STAGES), ready.index(j % NUM_STAGES),
-                (j // NUM_STAGES) & 1, j * BLOCK_N, k_len, copy_layout, BLOCK_N,
+            wait_block_pair(
+                k_smem.index(j % NUM_STAGES), v_smem.index(j % NUM_STAGES),
+                ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1, j * BLOCK_N, k_len,
+                copy_layout, BLOCK_N,
             )  # fmt: skip
             s_MN = warpgroup_mma(
                 q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), no_scores_MN,
@@ -166,7 +144,7 @@ def _jfa_fwd_hopper_kernel(
             p_lhs = p_next
             cta_barrier()  # every warp is done with block j − 1's slot
             refill = j - 1 + NUM_STAGES
-            _load_key_block(
+            load_block_pair(
                 k_desc, v_desc, k_smem.index((j - 1) % NUM_STAGES),
                 v_smem.index((j - 1) % NUM_STAGES), ready.index((j - 1) % NUM_STAGES),
                 k_row0 + refill * BLOCK_N, col0, refill < n_blocks,
