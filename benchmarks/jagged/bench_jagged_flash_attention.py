@@ -339,6 +339,13 @@ def _sweep_variants(base, workload: str):
         "3/SM: fwd+dq n32, dq r168": r(base, fwd_block_n=32, dq_block_n=32, dq_max_registers=168),
         "3/SM: dkdv m32 r168": r(base, dkdv_block_m=32, dkdv_max_registers=168),
         "dq n32": r(base, dq_block_n=32),
+        "q regs: fwd": r(base, fwd_q_in_registers=True),
+        "q regs: dq": r(base, dq_q_in_registers=True),
+        "q regs: fwd+dq": r(base, fwd_q_in_registers=True, dq_q_in_registers=True),
+        "dk in flight": r(base, dkdv_dk_in_flight=True),
+        "dk in flight, q regs: fwd+dq": r(
+            base, dkdv_dk_in_flight=True, fwd_q_in_registers=True, dq_q_in_registers=True
+        ),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {

@@ -67,16 +67,19 @@ def load_block_pair(a_desc, b_desc, a_dst, b_dst, ready, row, col, pred):
 
 @gluon.jit
 def wait_block_pair(
-    a_dst, b_dst, ready, phase, first, length, LAYOUT: gl.constexpr, ROWS: gl.constexpr
-):
+    a_dst, b_dst, ready, phase, first, length,
+    LAYOUT: gl.constexpr, ROWS: gl.constexpr, ZERO_A: gl.constexpr,
+):  # fmt: skip
     """Wait for a ring slot filled by ``load_block_pair``. A block running past the sequence's
     end holds the next sequence's rows there (or the copy engine's zeros past the tensor):
     their scores are masked, but a row of Inf or NaN would still reach a product through a
-    zero factor, so both blocks' rows at or past ``length`` are zeroed in shared memory."""
+    zero factor, so the second block's rows at or past ``length`` are zeroed in shared memory,
+    and the first's where ``ZERO_A`` (the forward's K rows only meet masked scores)."""
     mbarrier.wait(ready, phase)
     if first + ROWS > length:
         keep_R = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT)) < length
-        a_dst.store(gl.where(keep_R[:, None], a_dst.load(LAYOUT), 0.0))
+        if ZERO_A:
+            a_dst.store(gl.where(keep_R[:, None], a_dst.load(LAYOUT), 0.0))
         b_dst.store(gl.where(keep_R[:, None], b_dst.load(LAYOUT), 0.0))
         fence_async_shared()  # generic-proxy stores, then wgmma's async-proxy reads
         cta_barrier()
