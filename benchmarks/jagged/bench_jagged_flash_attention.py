@@ -333,19 +333,8 @@ def _sweep_variants(base, workload: str):
         "fwd hopper s4": r(base, fwd_hopper=True, fwd_stages=4),
         "fwd hopper n128 s2": r(base, fwd_hopper=True, fwd_block_n=128, fwd_stages=2),
         "fwd hopper m128 w8": r(base, fwd_hopper=True, fwd_block_m=128, fwd_warps=8),
-        # smaller tiles or a register cap, to fit a third program on each SM
-        "3/SM: fwd n32": r(base, fwd_block_n=32),
-        "3/SM: dq n32 r168": r(base, dq_block_n=32, dq_max_registers=168),
-        "3/SM: fwd+dq n32, dq r168": r(base, fwd_block_n=32, dq_block_n=32, dq_max_registers=168),
-        "3/SM: dkdv m32 r168": r(base, dkdv_block_m=32, dkdv_max_registers=168),
+        "fwd n32 (3 programs per SM)": r(base, fwd_block_n=32),
         "dq n32": r(base, dq_block_n=32),
-        "q regs: fwd": r(base, fwd_q_in_registers=True),
-        "q regs: dq": r(base, dq_q_in_registers=True),
-        "q regs: fwd+dq": r(base, fwd_q_in_registers=True, dq_q_in_registers=True),
-        "dk in flight": r(base, dkdv_dk_in_flight=True),
-        "dk in flight, q regs: fwd+dq": r(
-            base, dkdv_dk_in_flight=True, fwd_q_in_registers=True, dq_q_in_registers=True
-        ),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {

@@ -116,17 +116,6 @@ class JaggedAttentionConfig:
     fwd_hopper: bool = False
     dkdv_hopper: bool = False
     dq_hopper: bool = False
-    # Registers per thread the Gluon kernels may use (None: the compiler's choice, up to 255);
-    # fewer can fit one more program on an SM
-    fwd_max_registers: int | None = None
-    dkdv_max_registers: int | None = None
-    dq_max_registers: int | None = None
-    # The Gluon forward and dQ kernels hold the query tile in registers (the score MMA's left
-    # operand) instead of reading it from shared memory
-    fwd_q_in_registers: bool = False
-    dq_q_in_registers: bool = False
-    # The Gluon dK/dV kernel leaves each block's dK MMA running into the next block
-    dkdv_dk_in_flight: bool = False
 
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
@@ -842,8 +831,7 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
         hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
             block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_stages, max_registers=cfg.fwd_max_registers,
-            q_in_registers=cfg.fwd_q_in_registers,
+            num_stages=cfg.fwd_stages,
         )  # fmt: skip
         return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
@@ -934,7 +922,6 @@ def backward_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-            max_registers=cfg.dkdv_max_registers, dk_in_flight=cfg.dkdv_dk_in_flight,
         )  # fmt: skip
     else:
         _jfa_dkdv_kernel[grid](
@@ -996,8 +983,7 @@ def backward_dq(
         hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, max_registers=cfg.dq_max_registers,
-            q_in_registers=cfg.dq_q_in_registers,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
     else:
         _jfa_dq_kernel[(num_programs,)](

@@ -129,8 +129,7 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, max_registers=None,
-    q_in_registers=False,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out contiguous)."""
@@ -140,15 +139,13 @@ def launch_forward(
         q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        Q_IN_REGISTERS=q_in_registers, NUM_STAGES=num_stages, num_warps=num_warps,
-        maxnreg=max_registers,
+        NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
 
 
 def launch_dq(
     grid, q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, max_registers=None,
-    q_in_registers=False,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
 ):  # fmt: skip
     """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out and dout contiguous); it fills ``delta`` as well."""
@@ -158,15 +155,13 @@ def launch_dq(
         q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
         num_heads, total_q, scale, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        Q_IN_REGISTERS=q_in_registers, NUM_STAGES=num_stages, num_warps=num_warps,
-        maxnreg=max_registers,
+        NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
 
 
 def launch_dkdv(
     grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, max_registers=None,
-    dk_in_flight=False,
+    *, scale, causal, block_m, block_n, num_warps, num_stages,
 ):  # fmt: skip
     """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; dout contiguous)."""
@@ -177,6 +172,5 @@ def launch_dkdv(
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
         num_heads, total_q, scale, scale * LOG2E.value, k.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        DK_IN_FLIGHT=dk_in_flight, NUM_STAGES=num_stages, num_warps=num_warps,
-        maxnreg=max_registers,
+        NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip

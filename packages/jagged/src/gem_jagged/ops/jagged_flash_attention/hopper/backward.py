@@ -36,7 +36,7 @@ def _jfa_dkdv_hopper_kernel(
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
     num_heads, total_q, scale, qk_scale_log2, stride_kv,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    DK_IN_FLIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_N == 16 * num_warps, "one 16-row wgmma slice of the key tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
@@ -103,20 +103,16 @@ def _jfa_dkdv_hopper_kernel(
     cols_N = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     no_scores_NM = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dk_NH = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    if DK_IN_FLIGHT:  # carried through the loop as an MMA in flight
-        dk_NH = warpgroup_mma_init(dk_NH)
     dv_NH = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    ds_lhs = gl.zeros([BLOCK_N, BLOCK_M], dtype, lhs_op_layout)
     for j in range(n_blocks):
         # Stage 1: refill the ring slot freed by the previous block, then wait for this one.
+        cta_barrier()  # every warp is done with block j − 1's slot
         ahead = j + NUM_STAGES - 1
-        if not DK_IN_FLIGHT:
-            cta_barrier()  # every warp is done with block j − 1's slot
-            load_block_pair(
-                q_desc, do_desc, q_smem.index(ahead % NUM_STAGES),
-                do_smem.index(ahead % NUM_STAGES), ready.index(ahead % NUM_STAGES),
-                q_row0 + q_lo + ahead * BLOCK_M, col0, ahead < n_blocks,
-            )  # fmt: skip
+        load_block_pair(
+            q_desc, do_desc, q_smem.index(ahead % NUM_STAGES), do_smem.index(ahead % NUM_STAGES),
+            ready.index(ahead % NUM_STAGES), q_row0 + q_lo + ahead * BLOCK_M, col0,
+            ahead < n_blocks,
+        )  # fmt: skip
         block_start = q_lo + j * BLOCK_M
         rows_M = block_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         row_ok_M = rows_M < q_len
@@ -136,15 +132,6 @@ def _jfa_dkdv_hopper_kernel(
         dp_NM = warpgroup_mma(
             v_smem, do_MH.permute((1, 0)), no_scores_NM, use_acc=False, is_async=True
         )
-        if DK_IN_FLIGHT:
-            # The previous block's dK MMA finishes behind these two; then its slot is free.
-            dk_NH, ds_lhs = warpgroup_mma_wait(num_outstanding=2, deps=(dk_NH, ds_lhs))
-            cta_barrier()  # every warp is done with block j − 1's slot
-            load_block_pair(
-                q_desc, do_desc, q_smem.index(ahead % NUM_STAGES),
-                do_smem.index(ahead % NUM_STAGES), ready.index(ahead % NUM_STAGES),
-                q_row0 + q_lo + ahead * BLOCK_M, col0, ahead < n_blocks,
-            )  # fmt: skip
         s_NM = warpgroup_mma_wait(num_outstanding=1, deps=(s_NM,))
 
         # Stage 3: Pᵀ from the saved log-sum-exp, then dV += Pᵀ dO while dPᵀ finishes.
@@ -156,19 +143,13 @@ def _jfa_dkdv_hopper_kernel(
         dv_NH = warpgroup_mma(p_lhs, do_MH, dv_NH, is_async=True)
         dp_NM = warpgroup_mma_wait(num_outstanding=1, deps=(dp_NM,))
 
-        # Stage 4: dSᵀ and dK += dSᵀ Q. dV settles before the next block; dK too, or (in
-        # flight) runs on into the next block's score products.
+        # Stage 4: dSᵀ and dK += dSᵀ Q; both accumulators settle before the ring slot is reused.
         ds_NM = p_NM * (dp_NM - delta_M[None, :])
         ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
         dk_NH = warpgroup_mma(ds_lhs, q_MH, dk_NH, is_async=True)
-        if DK_IN_FLIGHT:
-            dv_NH, p_lhs = warpgroup_mma_wait(num_outstanding=1, deps=(dv_NH, p_lhs))
-        else:
-            dv_NH, dk_NH, p_lhs, ds_lhs = warpgroup_mma_wait(
-                num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs, ds_lhs)
-            )
-    if DK_IN_FLIGHT:
-        dk_NH, ds_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(dk_NH, ds_lhs))
+        dv_NH, dk_NH, p_lhs, ds_lhs = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dv_NH, dk_NH, p_lhs, ds_lhs)
+        )
 
     # Stage 5: write the key tile's rows (a split tile adds its part into the float32 scratch),
     # one accumulator at a time through the copy layout (coalesced rows).
@@ -197,7 +178,7 @@ def _jfa_dq_hopper_kernel(
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
     num_heads, total_q, scale, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    Q_IN_REGISTERS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
@@ -260,9 +241,6 @@ def _jfa_dq_hopper_kernel(
     async_copy.wait_group(0)
     cta_barrier()
     fence_async_shared()  # cp.async wrote the query tile through the generic proxy
-    q_lhs = q_smem
-    if Q_IN_REGISTERS:  # the score MMA's left operand from registers, not shared memory
-        q_lhs = q_smem.load(lhs_layout(s_layout))
 
     # Key blocks from ``full_stop`` on cross the causal diagonal or the sequence's end.
     full_stop = k_len
@@ -285,7 +263,7 @@ def _jfa_dq_hopper_kernel(
         # Stage 1: S and dP issued behind the previous block's dQ MMA; once only this block's
         # two remain in flight, that MMA is done and its ring slot can be refilled.
         s_MN = warpgroup_mma(
-            q_lhs, k_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
+            q_smem, k_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
         )
         dp_MN = warpgroup_mma(
             do_smem, v_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True

@@ -54,7 +54,7 @@ def _jfa_fwd_hopper_kernel(
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
     num_heads, total_q, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    Q_IN_REGISTERS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
@@ -110,9 +110,6 @@ def _jfa_fwd_hopper_kernel(
     async_copy.wait_group(0)
     cta_barrier()
     fence_async_shared()  # cp.async wrote the query tile through the generic proxy
-    q_lhs = q_smem
-    if Q_IN_REGISTERS:  # the score MMA's left operand from registers, not shared memory
-        q_lhs = q_smem.load(lhs_layout(s_layout))
 
     if n_blocks > 0:
         # Stage 1 (block 0): S and its softmax; P₀ V₀ is issued with block 1's scores.
@@ -120,7 +117,7 @@ def _jfa_fwd_hopper_kernel(
             k_smem.index(0), v_smem.index(0), ready.index(0), 0, 0, k_len,
             copy_layout, BLOCK_N, False,
         )  # fmt: skip
-        s_MN = warpgroup_mma(q_lhs, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
+        s_MN = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
         p_lhs, alpha_M, m_M, l_M = _online_softmax_step(
             s_MN, m_M, l_M, rows_M, 0, full_stop, k_len, diag, qk_scale_log2,
             CAUSAL, BLOCK_N, dtype, lhs_op_layout,
@@ -134,7 +131,7 @@ def _jfa_fwd_hopper_kernel(
                 copy_layout, BLOCK_N, False,
             )  # fmt: skip
             s_MN = warpgroup_mma(
-                q_lhs, k_smem.index(j % NUM_STAGES).permute((1, 0)), no_scores_MN,
+                q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), no_scores_MN,
                 use_acc=False, is_async=True,
             )  # fmt: skip
             acc_MH = warpgroup_mma(p_lhs, v_smem.index((j - 1) % NUM_STAGES), acc_MH, is_async=True)
