@@ -130,7 +130,8 @@ _INTERPRETER_CONFIG = JaggedAttentionConfig(
 # J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session). On Hopper the
 # Gluon kernels of ``hopper/`` take head dim 128, dK/dV on 64-key tiles with 4 warps (two
 # programs per SM): J1's forward + backward 1.21 -> 1.05 ms, J2's 1.77 -> 1.51, graph-replayed
-# (2026-11-30, eleventh session). The Triton fallback takes the same tiles.
+# (2026-11-30, eleventh session); their backward streaming by TMA, 1.03 -> 0.99 and 1.53 ->
+# 1.47 (twelfth session). The Triton fallback takes the same tiles.
 _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
@@ -151,10 +152,10 @@ _GPU_CONFIGS_FP32 = {
 # at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
 # 0.195 ms on an H200). The Triton kernels serve it on Hopper too: the Gluon backward ran J3's
 # in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query
-# tile height (and work list) with the table above. The forward loads its one key block by pointers: through TMA J3's forward ran
-# 0.103 ms against 0.112 on the device, but Triton encodes each descriptor on the host at every
-# launch, 127 us of host time per call against 96, and an eager J3 call is host-bound
-# (docs/performance.md, 2026-11-30, tenth session).
+# tile height (and work list) with the table above. The forward loads its one key block by
+# pointers: through TMA J3's forward ran 0.103 ms against 0.112 on the device, but Triton
+# encodes each descriptor on the host at every launch, 127 us of host time per call against 96,
+# and an eager J3 call is host-bound (docs/performance.md, 2026-11-30, tenth session).
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()

@@ -17,7 +17,7 @@ Forward (one program per query tile and head, 2 per SM at head dim 128):
 dK/dV (one program per key tile, query-range chunk and head):
 
     K, V tile [Nk, H]                    → shared memory, once (cp.async)
-    for each query block [M, H] of the chunk, NUM_STAGES − 1 blocks ahead (cp.async ring):
+    for each query block [M, H] of the chunk, NUM_STAGES − 1 blocks ahead (TMA ring):
         Sᵀ  = K Qᵀ          wgmma, async ┐ both issued before either is waited for
         dPᵀ = V dOᵀ         wgmma, async ┘
         Pᵀ  = exp2(Sᵀ · c − lse)          while dPᵀ is still on the tensor cores
@@ -28,7 +28,7 @@ dK/dV (one program per key tile, query-range chunk and head):
 dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) for dK/dV):
 
     Q, dO tile [M, H]                    → shared memory, once (cp.async)
-    for each key block [Nk, H] up to the tile's last visible key (cp.async ring):
+    for each key block [Nk, H] up to the tile's last visible key (TMA ring):
         S  = Q Kᵀ, dP = dO Vᵀ   wgmma, async, both in flight
         P  = exp2(S · c − lse)            while dP is still on the tensor cores
         dS = P ⊙ (dP − δ)
@@ -36,24 +36,33 @@ dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) fo
                             block's S and dP are issued, and is waited for before its key
                             block's ring slot is refilled
 
+dQ stays a kernel of its own, recomputing S and dP: summing each block's dQ part from the dK/dV
+kernel with float32 atomics instead (FlashAttention-2's way) took J1's backward from 0.757 to
+1.08 ms (64-key tiles: 1.4 GB of atomic adds; docs/performance.md, twelfth session).
+
 Why second kernels: Triton keeps the tiles a program holds for its whole loop (K and V in
 dK/dV, Q and dO in dQ) in registers next to the float32 accumulators and score tiles; its dK/dV
 kernel sits at the 255-register limit with spills (``ptxas``, sm_90), and the compiler does not
 overlap the exponentials with the MMAs. Here those tiles stay in shared memory, where ``wgmma``
 reads its left operand, and the MMAs are issued asynchronously in the order above. Small
 enough programs to run two per SM won over larger tiles everywhere it was measured
-(docs/performance.md, 2026-11-30, eleventh session).
+(docs/performance.md, 2026-11-30, eleventh session); a third per SM (32-key blocks, or a
+register cap) did not win either (twelfth session).
 
-Sequence ends. Rows copied by ``cp.async`` past a sequence's end are zeros (the copy's mask),
-so a neighbour's Inf or NaN never meets a zero probability in a matmul. The forward's TMA
-blocks do read the next sequence's rows there: their scores are masked and their V rows zeroed
-in shared memory before the P V product. Rows past the end are never written.
+Sequence ends. The tile a program keeps (Q for the forward and dQ, K and V for dK/dV) arrives
+by ``cp.async``, whose mask writes zeros for rows past the sequence's end. The streamed blocks
+arrive by TMA (no per-element addresses in registers: streaming Q and dO, or K and V, that way
+took J1's dK/dV from 419 to 392 us and dQ from 316 to 306, docs/performance.md, 2026-11-30,
+twelfth session), and a block crossing the end holds the next sequence's rows there. Their
+scores are masked, but a row of Inf or NaN would still reach a product through a zero
+probability, so those rows are zeroed in shared memory before any MMA reads them (V in the
+forward; K and V in dQ; Q and dO in dK/dV). Rows past the end are never written.
 
 Gluon compiles for the GPU only (no interpreter): ``triton.py``'s launchers use these kernels
-on sm_90 for 2-byte inputs without a relative bias whose rows 16-byte copies can tile, where
-the tile table asks for them (``JaggedAttentionConfig.fwd_hopper``, ``dkdv_hopper``,
-``dq_hopper``), and the Triton kernels everywhere else. The GPU tests hold them to the
-tolerance rule against fp64 and compare them with Triton's.
+on sm_90 for 2-byte inputs without a relative bias whose rows 16-byte copies and 32-bit TMA
+coordinates can reach, where the tile table asks for them (``JaggedAttentionConfig.fwd_hopper``,
+``dkdv_hopper``, ``dq_hopper``), and the Triton kernels everywhere else. The GPU tests hold
+them to the tolerance rule against fp64 and compare them with Triton's.
 """
 
 import functools
