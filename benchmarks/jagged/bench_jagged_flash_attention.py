@@ -329,6 +329,9 @@ def _sweep_variants(base, workload: str):
         "dkdv hopper n64 w4 s3": r(
             base, dkdv_hopper=True, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=3
         ),
+        "dkdv hopper n128 w8 s2": r(
+            base, dkdv_hopper=True, dkdv_block_n=128, dkdv_warps=8, dkdv_stages=2
+        ),
         "fwd hopper s2": r(base, fwd_hopper=True, fwd_stages=2),
         "fwd hopper s4": r(base, fwd_hopper=True, fwd_stages=4),
         "fwd hopper n128 s2": r(base, fwd_hopper=True, fwd_block_n=128, fwd_stages=2),
