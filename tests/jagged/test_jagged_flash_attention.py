@@ -834,6 +834,27 @@ def test_hopper_kernels_keep_a_non_finite_sequence_to_itself(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_hopper_kernels_read_views_of_a_fused_qkv_projection_in_place(monkeypatch):
+    """q, k, v as views of one ``[T, 3, N, H]`` projection (rows 3·N·H apart) reach the Gluon
+    kernels' copies and TMA descriptors as they lie: outputs and gradients equal, bit for bit,
+    those of contiguous inputs."""
+    launches = _use_hopper(monkeypatch, enabled=True)
+    lengths = [300, 0, 65, 1000, 1]
+    tensors, q_off, _ = _case(
+        lengths, lengths, heads=2, head_dim=128, radius=None, seed=9, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    qkv = torch.stack([tensors["q"], tensors["k"], tensors["v"]], dim=1).requires_grad_()
+    out = jagged_flash_attention(*qkv.unbind(1), q_off, causal=True, backend="triton")
+    (grad,) = torch.autograd.grad(out, [qkv], tensors["do"])
+    assert _all_ran(launches)
+    expected, _ = _run(tensors, q_off, q_off, causal=True, backend="triton", dtype=torch.bfloat16)
+    assert torch.equal(out, expected[0])
+    assert torch.equal(grad, torch.stack(expected[1:4], dim=1))
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_hopper_kernels_unused_for_rows_they_cannot_copy(monkeypatch):
     """Rows 16-byte vectors cannot tile (a row stride one element past the heads: ``pad``
     1) take the Triton kernels, with the same isolation of a non-finite sequence."""
