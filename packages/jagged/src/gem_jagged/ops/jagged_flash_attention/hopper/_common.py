@@ -12,6 +12,16 @@ cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
+def slot_and_head(num_heads):
+    """This program's work-list slot and head, heads outermost: one head's tiles run (heaviest
+    first) before the next head's start, so the rows the running programs stream (one head's K
+    and V, or Q and dO) can stay in L2."""
+    pid = gl.program_id(0)
+    num_slots = gl.num_programs(0) // num_heads
+    return pid % num_slots, pid // num_slots
+
+
+@gluon.jit
 def load_sequence(offsets_Bp1, seq):
     """``(first token as int64, length as int32)`` of sequence ``seq``."""
     begin = gl.load(offsets_Bp1 + seq).to(gl.int64)

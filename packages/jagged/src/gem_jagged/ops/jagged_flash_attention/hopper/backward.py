@@ -23,6 +23,7 @@ from ._common import (
     load_sequence,
     row_copy_layout,
     row_dots,
+    slot_and_head,
     store_rows,
     wait_block_pair,
     wgmma_layout,
@@ -40,9 +41,7 @@ def _jfa_dkdv_hopper_kernel(
 ):  # fmt: skip
     gl.static_assert(BLOCK_N == 16 * num_warps, "one 16-row wgmma slice of the key tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
-    pid = gl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = slot_and_head(num_heads)
     seq = gl.load(work_seq_W + slot)
     if seq < 0:
         return
@@ -182,9 +181,7 @@ def _jfa_dq_hopper_kernel(
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
-    pid = gl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = slot_and_head(num_heads)
     seq = gl.load(work_seq_W + slot)
     if seq < 0:
         return

@@ -19,6 +19,7 @@ from ._common import (
     load_block_pair,
     load_sequence,
     row_copy_layout,
+    slot_and_head,
     store_rows,
     wait_block_pair,
     wgmma_layout,
@@ -58,9 +59,7 @@ def _jfa_fwd_hopper_kernel(
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
-    pid = gl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = slot_and_head(num_heads)
     seq = gl.load(work_seq_W + slot)
     if seq < 0:
         return
