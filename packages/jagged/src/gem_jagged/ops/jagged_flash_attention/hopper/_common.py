@@ -66,6 +66,15 @@ def copy_rows_async(
 
 
 @gluon.jit
+def ring_barriers(NUM_STAGES: gl.constexpr):
+    """One initialised mbarrier per ring slot, each flipping when its slot's copies land."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    return ready
+
+
+@gluon.jit
 def load_block_pair(a_desc, b_desc, a_dst, b_dst, ready, row, col, pred):
     """Start the TMA copies of one block of each of two row tensors (K and V, or Q and dO)
     into a ring slot; ``ready`` flips when both have landed. Skipped where ``pred`` is false

@@ -5,7 +5,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -21,6 +20,7 @@ from ._common import (
     lhs_layout,
     load_block_pair,
     load_sequence,
+    ring_barriers,
     row_copy_layout,
     row_dots,
     slot_and_head,
@@ -70,9 +70,7 @@ def _jfa_dkdv_hopper_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], keys_smem_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    ready = ring_barriers(NUM_STAGES)
 
     k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
@@ -207,9 +205,7 @@ def _jfa_dq_hopper_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    ready = ring_barriers(NUM_STAGES)
 
     q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
     do_head = do_TqNH + q_begin * stride_o + head * HEAD_DIM

@@ -5,7 +5,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -18,6 +17,7 @@ from ._common import (
     lhs_layout,
     load_block_pair,
     load_sequence,
+    ring_barriers,
     row_copy_layout,
     slot_and_head,
     store_rows,
@@ -82,9 +82,7 @@ def _jfa_fwd_hopper_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    ready = ring_barriers(NUM_STAGES)
 
     # Stage 0: the query tile (cp.async, rows past the end as zeros) and a full ring of key
     # blocks (TMA) in flight.
