@@ -52,7 +52,7 @@ register cap) did not win either (twelfth session).
 Launch order. Program ``pid`` takes work-list slot ``pid mod slots`` of head ``pid div slots``:
 heads outermost, each head's tiles heaviest first. The programs running at any moment then
 stream one head's rows (J1: 27 MB of K and V per head, against 50 MB of L2) instead of every
-head's. With heads innermost, J1's three kernels spent 77 us of their 913 in L2 misses (a
+head's. With heads innermost, J1's three kernels spent 76 us of their 913 in L2 misses (a
 diagnostic that kept every streamed block L2-resident); heads outermost took J1's forward +
 backward from 0.917 to 0.845 ms eager (docs/performance.md, 2026-11-30, twelfth session).
 
