@@ -109,12 +109,12 @@ def test_key_tiles_split_the_query_range_without_gaps(lq, causal, split, max_spl
 
 def test_ranking_kernel_orders_exactly_like_a_stable_sort(monkeypatch):
     """The heaviest-first order of the O(W²) ranking kernel equals a stable descending sort's,
-    across program boundaries (over 128 slots) and with many ties (equal lengths)."""
+    across program boundaries and comparison chunks, with many ties (equal lengths)."""
     lengths = [100, 37, 100, 0, 1, 250, 100, 16, 17, 100, 600, 33] * 6
     off = offsets_from_lengths(lengths)
     ranked = key_tiles(off, total_kv=sum(lengths), block=16, causal=True, split_rows=64,
                        max_splits=3)  # fmt: skip
-    assert ranked.num_slots > 128
+    assert ranked.num_slots > 2 * _worklist._RANK_OTHERS
     monkeypatch.setattr(_worklist, "_RANK_MAX_SLOTS", 0)
     sorted_ = key_tiles(off, total_kv=sum(lengths), block=16, causal=True, split_rows=64,
                         max_splits=3)  # fmt: skip

@@ -300,29 +300,37 @@ def _tile_slots(tiled_offsets, other_offsets, *, total, block, causal, key_tiles
 
 
 @jit
-def _rank_scatter_kernel(fields_FW, cost_W, out_5W, num_slots, SLOTS: tl.constexpr):
+def _rank_scatter_kernel(
+    fields_FW, cost_W, out_5W, num_slots, MINE: tl.constexpr, OTHERS: tl.constexpr
+):  # fmt: skip
     """Write each slot's five fields at its rank in the heaviest-first order.
 
     A slot's rank counts the slots that go before it: heavier ones, and equally heavy ones with
-    a smaller index (a stable order). Every program compares its ``SLOTS`` slots with all the
-    others, O(W²) comparisons in one launch, cheaper than a sort plus a gather for the few
-    thousand slots of a batch.
+    a smaller index (a stable order). Every program ranks ``MINE`` slots against all the others,
+    ``OTHERS`` at a time: O(W²) comparisons in one launch, cheaper than a sort plus a gather for
+    the few thousand slots of a batch. Programs are kept small so that the launch spreads over
+    the SMs: with 128 slots a program (7 programs for J1's 896 slots) one launch took 24 us on
+    an H200, 5% of J1's forward + backward when the lists are rebuilt (docs/performance.md,
+    2026-12-01).
     """
-    slots_W = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
-    in_range_W = slots_W < num_slots
-    mine_W = tl.load(cost_W + slots_W, mask=in_range_W, other=-2)
-    rank_W = tl.zeros([SLOTS], tl.int32)
-    for start in range(0, num_slots, SLOTS):
-        others_O = start + tl.arange(0, SLOTS)
+    slots_M = tl.program_id(0) * MINE + tl.arange(0, MINE)
+    in_range_M = slots_M < num_slots
+    cost_M = tl.load(cost_W + slots_M, mask=in_range_M, other=-2)
+    rank_M = tl.zeros([MINE], tl.int32)
+    for start in range(0, num_slots, OTHERS):
+        others_O = start + tl.arange(0, OTHERS)
         theirs_O = tl.load(cost_W + others_O, mask=others_O < num_slots, other=-3)  # never first
-        first_WO = (theirs_O[None, :] > mine_W[:, None]) | (
-            (theirs_O[None, :] == mine_W[:, None]) & (others_O[None, :] < slots_W[:, None])
+        first_MO = (theirs_O[None, :] > cost_M[:, None]) | (
+            (theirs_O[None, :] == cost_M[:, None]) & (others_O[None, :] < slots_M[:, None])
         )
-        rank_W += tl.sum(first_WO.to(tl.int32), 1)
+        rank_M += tl.sum(first_MO.to(tl.int32), 1)
     for field in tl.static_range(5):
-        value_W = tl.load(fields_FW + field * num_slots + slots_W, mask=in_range_W)
-        tl.store(out_5W + field * num_slots + rank_W, value_W, mask=in_range_W)
+        value_M = tl.load(fields_FW + field * num_slots + slots_M, mask=in_range_M)
+        tl.store(out_5W + field * num_slots + rank_M, value_M, mask=in_range_M)
 
+
+# The ranking kernel's tile: slots ranked per program, and slots compared per step.
+_RANK_MINE, _RANK_OTHERS = 16, 512
 
 # Past this many slots the O(W²) ranking gives way to a sort and a gather.
 _RANK_MAX_SLOTS = 32768
@@ -335,8 +343,10 @@ def _sorted(fields_FW, cost_W, block) -> TileWorkList:
         order_W = torch.argsort(cost_W, descending=True, stable=True)
         return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
     out_5W = torch.empty(5, num_slots, dtype=torch.int32, device=cost_W.device)
-    grid = (cdiv(num_slots, _SLOTS_PER_PROGRAM),)
-    _rank_scatter_kernel[grid](fields_FW, cost_W, out_5W, num_slots, SLOTS=_SLOTS_PER_PROGRAM)
+    grid = (cdiv(num_slots, _RANK_MINE),)
+    _rank_scatter_kernel[grid](
+        fields_FW, cost_W, out_5W, num_slots, MINE=_RANK_MINE, OTHERS=_RANK_OTHERS
+    )
     return TileWorkList(out_5W, block)
 
 

@@ -158,9 +158,10 @@ class _TritonAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
         from .triton import jfa_forward
 
+        ctx.descriptors = {}  # the forward's TMA descriptors, for the backward's launches
         out, lse, work = jfa_forward(
             q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-            cache_work=True,
+            cache_work=True, descriptors=ctx.descriptors,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
         ctx.options = (causal, scale, max_q_len)
@@ -176,6 +177,7 @@ class _TritonAttention(torch.autograd.Function):
         dq, dk, dv, dbias = jfa_backward(
             dout, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, scale=scale,
             rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work,
+            descriptors=ctx.descriptors,
         )  # fmt: skip
         return dq, dk, dv, None, None, dbias, None, None, None
 

@@ -801,14 +801,17 @@ def _bias_tile_args(rel_bias, q, *, rows, cols, keys_on_rows):
     return tiles, o_lo, num_offsets, step
 
 
-def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False):
+def jfa_forward(
+    q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False, descriptors=None
+):
     """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
 
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
     reuses it instead of building it again. ``cache_work`` takes it from (or puts it in) the
     per-offsets cache of ``gem_jagged._worklist``: only for callers that keep it private (the
     eager path); an op that returns it to a compiler must return a fresh tensor, whose memory
-    the compiler may reuse once it is dead.
+    the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
+    kernels' TMA descriptors for the backward's launches (``hopper._row_descriptor``).
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config_for(
@@ -832,7 +835,7 @@ def jfa_forward(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cach
         hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
             block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_stages,
+            num_stages=cfg.fwd_stages, descriptors=descriptors,
         )  # fmt: skip
         return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
@@ -865,26 +868,30 @@ def forward_work_slots(q: torch.Tensor, k: torch.Tensor, q_offsets, *, rel_bias:
 
 def jfa_backward(
     dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
-    forward_work=None,
+    forward_work=None, descriptors=None,
 ):  # fmt: skip
-    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``."""
+    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``.
+    ``descriptors``: the forward's memo of TMA descriptors (``jfa_forward``), or None."""
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
     # dQ first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then reads.
     dq, dbias, delta = backward_dq(
         dout, q, k, v, out, lse, q_offsets, kv_offsets,
         causal=causal, scale=scale, rel_bias=rel_bias, forward_work=forward_work,
+        descriptors=descriptors,
     )  # fmt: skip
     dk, dv = backward_dkdv(
         dout, q, k, v, lse, delta, q_offsets, kv_offsets,
         causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
+        descriptors=descriptors,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
 
 def backward_dkdv(
-    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None
-):
+    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
+    descriptors=None,
+):  # fmt: skip
     """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout contiguous) from the key-tile
     work list, long query ranges split."""
     total_q, num_heads, head_dim = q.shape
@@ -923,6 +930,7 @@ def backward_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+            descriptors=descriptors,
         )  # fmt: skip
     else:
         _jfa_dkdv_kernel[grid](
@@ -946,8 +954,9 @@ def backward_dkdv(
 
 
 def backward_dq(
-    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None
-):
+    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None,
+    descriptors=None,
+):  # fmt: skip
     """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
     (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous), from the query-tile
     work list.
@@ -984,7 +993,7 @@ def backward_dq(
         hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, descriptors=descriptors,
         )  # fmt: skip
     else:
         _jfa_dq_kernel[(num_programs,)](

@@ -134,25 +134,39 @@ def _block_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMAShare
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A descriptor of ``t [T, N, H]`` as ``[T, N·H]``, blocks of ``rows`` rows × one head."""
+def _row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescriptor:
+    """A descriptor of ``t [T, N, H]`` as ``[T, N·H]``, blocks of ``rows`` rows × one head.
+
+    ``memo`` (a dict, or None) hands back the descriptor made before for the same memory,
+    shape, strides and block: a forward and its backward's dQ stream the same K and V blocks,
+    and making a descriptor costs 20-30 us of host time on an H200 host (docs/performance.md,
+    2026-12-01)."""
+    key = None
+    if memo is not None:
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows)
+        if (hit := memo.get(key)) is not None:
+            return hit
     layout = _block_layout(rows, t.shape[2], t.dtype)
     rows_2d = t.view(t.shape[0], t.shape[1] * t.shape[2])
-    return TensorDescriptor(
+    descriptor = TensorDescriptor(
         rows_2d, list(rows_2d.shape), list(rows_2d.stride()), [rows, t.shape[2]], layout
     )
+    if memo is not None:
+        memo[key] = descriptor
+    return descriptor
 
 
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out contiguous)."""
+    leaves them; out contiguous). ``descriptors``: a memo of TMA descriptors (a dict) shared
+    with the backward's launches, or None."""
     total_q, num_heads, head_dim = q.shape
     _jfa_fwd_hopper_kernel[grid](
-        q, _row_descriptor(k, block_n), _row_descriptor(v, block_n), out, lse,
-        q_offsets, kv_offsets, work.seq_W, work.start_W, work.hi_W,
+        q, _row_descriptor(k, block_n, descriptors), _row_descriptor(v, block_n, descriptors),
+        out, lse, q_offsets, kv_offsets, work.packed_5W,
         num_heads, total_q, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,
@@ -161,14 +175,14 @@ def launch_forward(
 
 def launch_dq(
     grid, q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out and dout contiguous); it fills ``delta`` as well."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dq_hopper_kernel[grid](
-        q, _row_descriptor(k, block_n), _row_descriptor(v, block_n), out, dout, lse, delta, dq,
-        q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
+        q, _row_descriptor(k, block_n, descriptors), _row_descriptor(v, block_n, descriptors),
+        out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork.packed_5W,
         num_heads, total_q, scale, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,
@@ -177,15 +191,14 @@ def launch_dq(
 
 def launch_dkdv(
     grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; dout contiguous)."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dkdv_hopper_kernel[grid](
-        _row_descriptor(q, block_m), k, v, _row_descriptor(dout, block_m), lse, delta, dk, dv,
-        dk_scratch, dv_scratch,
-        q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
+        _row_descriptor(q, block_m, descriptors), k, v, _row_descriptor(dout, block_m, descriptors),
+        lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork.packed_5W,
         num_heads, total_q, scale, scale * LOG2E.value, k.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,

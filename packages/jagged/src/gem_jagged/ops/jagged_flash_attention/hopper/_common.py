@@ -12,13 +12,17 @@ cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def slot_and_head(num_heads):
-    """This program's work-list slot and head, heads outermost: one head's tiles run (heaviest
-    first) before the next head's start, so the rows the running programs stream (one head's K
-    and V, or Q and dO) can stay in L2."""
+def work_item(work_5W, num_heads):
+    """This program's work-list item and head: ``(item, W, head)`` with ``item`` pointing at
+    the item's ``seq`` entry in the packed list ``[5, W]`` (``gem_jagged._worklist``'s
+    ``TileWorkList``: rows seq, start, lo, hi, splits), so field ``f`` is ``item[f · W]``.
+
+    Heads outermost: program ``pid`` takes slot ``pid mod W`` of head ``pid div W``, so one
+    head's tiles run (heaviest first) before the next head's start, and the rows the running
+    programs stream (one head's K and V, or Q and dO) can stay in L2."""
     pid = gl.program_id(0)
     num_slots = gl.num_programs(0) // num_heads
-    return pid % num_slots, pid // num_slots
+    return work_5W + pid % num_slots, num_slots, pid // num_slots
 
 
 @gluon.jit

@@ -23,10 +23,10 @@ from ._common import (
     ring_barriers,
     row_copy_layout,
     row_dots,
-    slot_and_head,
     store_rows,
     wait_block_pair,
     wgmma_layout,
+    work_item,
 )
 
 
@@ -34,21 +34,21 @@ from ._common import (
 def _jfa_dkdv_hopper_kernel(
     q_desc, k_TkNH, v_TkNH, do_desc, lse_NTq, delta_NTq,
     dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
-    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
+    q_offsets_Bp1, kv_offsets_Bp1, work_5W,
     num_heads, total_q, scale, qk_scale_log2, stride_kv,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_N == 16 * num_warps, "one 16-row wgmma slice of the key tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
-    slot, head = slot_and_head(num_heads)
-    seq = gl.load(work_seq_W + slot)
+    item, field, head = work_item(work_5W, num_heads)
+    seq = gl.load(item)
     if seq < 0:
         return
-    k_start = gl.load(work_start_W + slot)
-    q_lo = gl.load(work_lo_W + slot)
-    q_hi = gl.load(work_hi_W + slot)
-    splits = gl.load(work_splits_W + slot)
+    k_start = gl.load(item + field)
+    q_lo = gl.load(item + 2 * field)
+    q_hi = gl.load(item + 3 * field)
+    splits = gl.load(item + 4 * field)
     q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
     q_row0 = q_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tq)
@@ -172,19 +172,19 @@ def _jfa_dkdv_hopper_kernel(
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_dq_hopper_kernel(
     q_TqNH, k_desc, v_desc, out_TqNH, do_TqNH, lse_NTq, delta_NTq, dq_TqNH,
-    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
+    q_offsets_Bp1, kv_offsets_Bp1, work_5W,
     num_heads, total_q, scale, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
-    slot, head = slot_and_head(num_heads)
-    seq = gl.load(work_seq_W + slot)
+    item, field, head = work_item(work_5W, num_heads)
+    seq = gl.load(item)
     if seq < 0:
         return
-    q_start = gl.load(work_start_W + slot)
-    k_stop = gl.load(work_hi_W + slot)
+    q_start = gl.load(item + field)
+    k_stop = gl.load(item + 3 * field)
     q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
     k_row0 = k_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tk)

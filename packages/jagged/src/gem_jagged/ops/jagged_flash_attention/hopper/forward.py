@@ -19,10 +19,10 @@ from ._common import (
     load_sequence,
     ring_barriers,
     row_copy_layout,
-    slot_and_head,
     store_rows,
     wait_block_pair,
     wgmma_layout,
+    work_item,
 )
 
 
@@ -52,19 +52,19 @@ def _online_softmax_step(
 @gluon.jit(do_not_specialize=BATCH_DEPENDENT)
 def _jfa_fwd_hopper_kernel(
     q_TqNH, k_desc, v_desc, out_TqNH, lse_NTq,
-    q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
+    q_offsets_Bp1, kv_offsets_Bp1, work_5W,
     num_heads, total_q, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
-    slot, head = slot_and_head(num_heads)
-    seq = gl.load(work_seq_W + slot)
+    item, field, head = work_item(work_5W, num_heads)
+    seq = gl.load(item)
     if seq < 0:
         return
-    q_start = gl.load(work_start_W + slot)
-    k_stop = gl.load(work_hi_W + slot)
+    q_start = gl.load(item + field)
+    k_stop = gl.load(item + 3 * field)
     q_begin, q_len = load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = load_sequence(kv_offsets_Bp1, seq)
     k_row0 = k_begin.to(gl.int32)  # TMA coordinates are 32-bit (the launcher checks Tk)
