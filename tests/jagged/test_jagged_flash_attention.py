@@ -764,7 +764,6 @@ def test_hopper_kernels_take_only_rows_16_byte_copies_can_tile():
     assert hopper.tma_reachable(shifted) and not hopper.tma_reachable(shifted[:0])
 
 
-
 def test_hopper_descriptor_memo_hands_back_only_what_describes_the_same_rows():
     """An eager forward makes K's and V's TMA descriptors once for its backward's dQ launch
     (``hopper._row_descriptor`` with a memo); a descriptor is reused only for the same memory,
@@ -785,6 +784,7 @@ def test_hopper_descriptor_memo_hands_back_only_what_describes_the_same_rows():
     ]
     assert all(d is not first for d in others)
     assert len({id(d) for d in others}) == len(others)
+
 
 HOPPER_CASES = [
     # (q lengths, kv lengths or None for self, causal, head dim): empty and length-1 sequences,
