@@ -258,6 +258,30 @@ def dkdv_splits(
 
 
 @jit
+def _slot_and_head(num_heads, HEADS_OUTER: tl.constexpr):
+    """This program's work-list slot and head. ``HEADS_OUTER``: program ``pid`` takes slot
+    ``pid mod W`` of head ``pid div W`` (one head's tiles, heaviest first, then the next
+    head's), so the running programs stream one head's rows, which can stay in L2; otherwise
+    the heads of one slot run side by side.
+
+    With a relative bias R = 32 (gem-small's attention) on an H200 (docs/performance.md,
+    2026-12-01), heads outermost took J1's dQ from 441 to 409 us and its dK/dV from 592 to 576
+    (J2's dK/dV 832 to 818), but the forward from 317 to 322 us (J2: 435 to 451): the backward
+    kernels run heads outermost, the forward heads innermost. The other tables (short keys,
+    other head dims, no Hopper) take the same order, not measured there.
+    """
+    pid = tl.program_id(0)
+    if HEADS_OUTER:
+        num_slots = tl.num_programs(0) // num_heads
+        slot = pid % num_slots
+        head = pid // num_slots
+    else:
+        slot = pid // num_heads
+        head = pid % num_heads
+    return slot, head
+
+
+@jit
 def _load_sequence(offsets_Bp1, seq):
     begin = tl.load(offsets_Bp1 + seq).to(tl.int64)
     end = tl.load(offsets_Bp1 + seq + 1).to(tl.int64)
@@ -366,9 +390,7 @@ def _jfa_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = _slot_and_head(num_heads, False)
     seq = tl.load(work_seq_W + slot)
     if seq < 0:
         return
@@ -495,9 +517,7 @@ def _jfa_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = _slot_and_head(num_heads, True)
     seq = tl.load(work_seq_W + slot)
     if seq < 0:
         return
@@ -577,9 +597,7 @@ def _jfa_dkdv_finish_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Cast the float32 sums of split key tiles into dK/dV (every chunk writes the same rows)."""
-    pid = tl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = _slot_and_head(num_heads, True)
     seq = tl.load(work_seq_W + slot)
     splits = tl.load(work_splits_W + slot)
     if (seq < 0) | (splits <= 1):
@@ -682,9 +700,7 @@ def _jfa_dq_kernel(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DIAG_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    slot = pid // num_heads
-    head = pid % num_heads
+    slot, head = _slot_and_head(num_heads, True)
     seq = tl.load(work_seq_W + slot)
     if seq < 0:
         return
@@ -715,7 +731,7 @@ def _jfa_dq_kernel(
     k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
     v_head = v_TkNH + k_begin * stride_kv + head * HEAD_DIM
     bias_head = bias_tiles_NOMN + head.to(tl.int64) * bias_offsets * (BLOCK_M * BLOCK_N)
-    dbias_row_R2 = dbias_part_PR2 + pid.to(tl.int64) * (2 * radius + 1)
+    dbias_row_R2 = dbias_part_PR2 + tl.program_id(0).to(tl.int64) * (2 * radius + 1)
 
     dq_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     far_stop, full_stop = _key_block_stops(
@@ -1008,7 +1024,7 @@ def backward_dq(
         )  # fmt: skip
     dbias = None
     if rel_bias is not None:
-        dbias = dbias_part.view(qwork.num_slots, num_heads, -1).sum(0)
+        dbias = dbias_part.view(num_heads, qwork.num_slots, -1).sum(1)  # heads outermost
         # Every row of dS sums to zero, so all of dS does: bucket 0 (j − i ≤ −R), which the
         # kernel never sums, is minus the other buckets.
         dbias[:, :1] = -dbias[:, 1:].sum(1, keepdim=True)
