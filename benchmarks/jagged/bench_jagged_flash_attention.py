@@ -253,7 +253,7 @@ def host_us_by_forward_loads(w: Workload, step, rounds: int = 3) -> tuple[float,
 
 def run_host_cost(dtype, only=()) -> None:
     """Host cost per call against device time, this version (the forward's K/V through TMA
-    descriptors and by pointers) and the custom op rebuilding lists."""
+    descriptors and by pointers) and the custom op rebuilding lists; without a relative bias."""
     from gem_jagged import _worklist
 
     rows = []
@@ -282,7 +282,8 @@ def run_host_cost(dtype, only=()) -> None:
                  device_ms * 1e3, eager_ms * 1e3]
             )  # fmt: skip
     common.print_table(
-        "host cost per call (CPU us to issue one step, no sync) against device time",
+        "host cost per call (CPU us to issue one step, no sync) against device time; no "
+        "relative bias, whatever --rel-bias says",
         ["workload", "pass", "host us (public fn, fwd TMA)", "host us (public fn, fwd pointers)",
          "host us (custom op, lists rebuilt)", "device us (graph replay)",
          "eager us (median, synced)"],
