@@ -3,7 +3,7 @@
 import pytest
 import torch
 from gem_jagged import _worklist
-from gem_jagged._worklist import key_tiles, query_tiles, tile_slot_bound
+from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 from gem_jagged.testing import jagged_lengths, offsets_from_lengths
 from hypothesis import given
 from hypothesis import strategies as st
@@ -184,3 +184,13 @@ def test_capture_neither_reads_nor_fills_the_cache():
     graph.replay()
     torch.cuda.synchronize()
     assert _items(captured)[0] == _expected_query_tiles([300, 5, 17], [300, 5, 17], 128, True)
+
+
+def test_a_packed_list_must_be_a_contiguous_5_by_w_tensor():
+    """Kernels read field f of slot w at ``packed[f * W + w]``: anything else is refused."""
+    work = query_tiles(offsets_from_lengths([5, 40]), total_q=45, block=16)
+    assert TileWorkList(work.packed_5W, 16).num_slots == work.num_slots
+    wider = torch.zeros(5, 2 * work.num_slots, dtype=torch.int32)
+    for bad in (work.packed_5W[:4], work.packed_5W.t(), wider[:, ::2]):
+        with pytest.raises(ValueError, match="contiguous \\[5, W\\]"):
+            TileWorkList(bad, 16)

@@ -91,7 +91,15 @@ class TileWorkList:
     _rows: tuple[torch.Tensor, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_rows", self.packed_5W.unbind(0))
+        packed = self.packed_5W
+        if packed.dim() != 2 or packed.shape[0] != 5 or not packed.is_contiguous():
+            # Kernels read field f of slot w at packed_5W[f * W + w] (the Gluon kernels take the
+            # one pointer), so the rows must lie W apart.
+            raise ValueError(
+                f"packed_5W must be a contiguous [5, W] tensor, got shape "
+                f"{tuple(packed.shape)} and strides {packed.stride()}"
+            )
+        object.__setattr__(self, "_rows", packed.unbind(0))
 
     @property
     def num_slots(self) -> int:
