@@ -17,7 +17,8 @@ Forward (one program per query tile and head, 2 per SM at head dim 128):
 dK/dV (one program per key tile, query-range chunk and head):
 
     K, V tile [Nk, H]                    → shared memory, once (cp.async)
-    for each query block [M, H] of the chunk, NUM_STAGES − 1 blocks ahead (TMA ring):
+    for each query block [M, H] of the chunk, NUM_STAGES − 1 blocks ahead (TMA ring; its rows'
+    log-sum-exp and δ by cp.async into a ring of their own):
         Sᵀ  = K Qᵀ          wgmma, async ┐ both issued before either is waited for
         dPᵀ = V dOᵀ         wgmma, async ┘
         Pᵀ  = exp2(Sᵀ · c − lse)          while dPᵀ is still on the tensor cores

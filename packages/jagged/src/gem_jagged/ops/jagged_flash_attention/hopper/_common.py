@@ -70,6 +70,20 @@ def copy_rows_async(
 
 
 @gluon.jit
+def copy_stats_async(
+    lse_dst, delta_dst, lse_head, delta_head, first, length,
+    ROWS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Start copying the log-sum-exp and δ of query rows ``[first, first + ROWS)`` (float32,
+    one head's) into shared memory; rows at or past ``length`` are written as zeros."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    rows_R = first + gl.arange(0, ROWS, layout=layout)
+    ok_R = rows_R < length
+    async_copy.async_copy_global_to_shared(lse_dst, lse_head + rows_R, mask=ok_R)
+    async_copy.async_copy_global_to_shared(delta_dst, delta_head + rows_R, mask=ok_R)
+
+
+@gluon.jit
 def ring_barriers(NUM_STAGES: gl.constexpr):
     """One initialised mbarrier per ring slot, each flipping when its slot's copies land."""
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())

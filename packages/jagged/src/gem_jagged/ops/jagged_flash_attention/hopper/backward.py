@@ -15,6 +15,7 @@ from gem_jagged._jit import BATCH_DEPENDENT
 from ._common import (
     LOG2E,
     copy_rows_async,
+    copy_stats_async,
     cta_barrier,
     head_rows,
     lhs_layout,
@@ -70,6 +71,10 @@ def _jfa_dkdv_hopper_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], keys_smem_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    stats_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_smem_layout)
+    stats_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a query block's, as columns
     ready = ring_barriers(NUM_STAGES)
 
     k_head = k_TkNH + k_begin * stride_kv + head * HEAD_DIM
@@ -82,12 +87,16 @@ def _jfa_dkdv_hopper_kernel(
     n_blocks = gl.cdiv(q_hi - q_lo, BLOCK_M)
     copy_rows_async(k_smem, k_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
     copy_rows_async(v_smem, v_head, k_start, k_len, stride_kv, copy_layout, BLOCK_N, HEAD_DIM)
-    async_copy.commit_group()
     for i in gl.static_range(NUM_STAGES - 1):
         load_block_pair(
             q_desc, do_desc, q_smem.index(i), do_smem.index(i), ready.index(i),
             q_row0 + q_lo + i * BLOCK_M, col0, i < n_blocks,
         )  # fmt: skip
+        copy_stats_async(
+            lse_smem.index(i), delta_smem.index(i), lse_head, delta_head, q_lo + i * BLOCK_M,
+            gl.where(i < n_blocks, q_len, 0), BLOCK_M, num_warps,
+        )  # fmt: skip
+    async_copy.commit_group()
     async_copy.wait_group(0)
     cta_barrier()
     fence_async_shared()  # cp.async wrote the key tile through the generic proxy
@@ -103,18 +112,26 @@ def _jfa_dkdv_hopper_kernel(
     dv_NH = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     for j in range(n_blocks):
         # Stage 1: refill the ring slot freed by the previous block, then wait for this one.
-        cta_barrier()  # every warp is done with block j − 1's slot
+        async_copy.wait_group(NUM_STAGES - 2)  # this block's log-sum-exp and δ
+        cta_barrier()  # every warp is done with block j − 1's slot (and sees block j's stats)
         ahead = j + NUM_STAGES - 1
         load_block_pair(
             q_desc, do_desc, q_smem.index(ahead % NUM_STAGES), do_smem.index(ahead % NUM_STAGES),
             ready.index(ahead % NUM_STAGES), q_row0 + q_lo + ahead * BLOCK_M, col0,
             ahead < n_blocks,
         )  # fmt: skip
+        # The block's log-sum-exp and δ travel with it, a step ahead, by cp.async: loaded from
+        # global memory in the step itself, they stalled the warps at their first use (the top
+        # stall site under Nsight Compute; J1's kernel 351 -> 340 us this way, 2026-12-01).
+        copy_stats_async(
+            lse_smem.index(ahead % NUM_STAGES), delta_smem.index(ahead % NUM_STAGES),
+            lse_head, delta_head, q_lo + ahead * BLOCK_M,
+            gl.where(ahead < n_blocks, q_len, 0), BLOCK_M, num_warps,
+        )  # fmt: skip
+        async_copy.commit_group()
         block_start = q_lo + j * BLOCK_M
         rows_M = block_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         row_ok_M = rows_M < q_len
-        lse_M = gl.load(lse_head + rows_M, mask=row_ok_M, other=float("inf")) * LOG2E
-        delta_M = gl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
         q_MH = q_smem.index(j % NUM_STAGES)
         do_MH = do_smem.index(j % NUM_STAGES)
         wait_block_pair(
@@ -132,7 +149,10 @@ def _jfa_dkdv_hopper_kernel(
         s_NM = warpgroup_mma_wait(num_outstanding=1, deps=(s_NM,))
 
         # Stage 3: Pᵀ from the saved log-sum-exp, then dV += Pᵀ dO while dPᵀ finishes.
-        p_NM = gl.exp2(s_NM * qk_scale_log2 - lse_M[None, :])
+        lse_M = lse_smem.index(j % NUM_STAGES).load(stats_layout)
+        lse_M = gl.where(row_ok_M, lse_M, float("inf"))  # rows past the end read zeros
+        delta_M = delta_smem.index(j % NUM_STAGES).load(stats_layout)
+        p_NM = gl.exp2(s_NM * qk_scale_log2 - (lse_M * LOG2E)[None, :])
         if CAUSAL:
             if block_start < mask_stop:
                 p_NM = gl.where(cols_N[:, None] <= rows_M[None, :] + diag, p_NM, 0.0)
