@@ -140,8 +140,8 @@ def _row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDesc
 
     ``memo`` (a dict, or None) hands back the descriptor made before for the same memory,
     shape, strides and block: a forward and its backward's dQ stream the same K and V blocks,
-    and making a descriptor costs 20-30 us of host time on an H200 host (docs/performance.md,
-    2026-12-01)."""
+    and making one took 26-32 us of host time under cProfile on an H200 host
+    (docs/performance.md, 2026-12-01)."""
     key = None
     if memo is not None:
         key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows)
