@@ -116,7 +116,8 @@ def benches(smoke: bool, *, quick: bool = False):
 
 def measure(fns, *, project, backward, bench, anchor_bench, graphed=()) -> dict[str, float]:
     """ms of every ``name: (fn, (q, k, v, do))``; on a GPU also ``"<name> (graph)"`` for each of
-    ``graphed``. ``project`` names the entries whose failure must stop the run."""
+    ``graphed``. ``project`` names the entries whose failure must stop the run; an anchor that
+    cannot run (or be captured in a graph) reads NaN."""
     ms = {}
     for name, (fn, args) in fns.items():
         measure_one = bench if name in project else anchor_bench
@@ -124,10 +125,17 @@ def measure(fns, *, project, backward, bench, anchor_bench, graphed=()) -> dict[
     if torch.cuda.is_available():
         for name in graphed:
             fn, args = fns[name]
-            measure_one = bench if name in project else anchor_bench
-            ms[f"{name} (graph)"] = timed(
-                fn, *args, backward=backward, bench=measure_one, graph=True
-            )
+            try:
+                ms[f"{name} (graph)"] = timed(
+                    fn, *args, backward=backward, graph=True,
+                    bench=bench if name in project else anchor_bench,
+                )  # fmt: skip
+            except Exception as exc:
+                if name in project:
+                    raise
+                print(f"  {name} (graph) failed: {type(exc).__name__}: {str(exc)[:160]}")
+                torch.cuda.synchronize()
+                ms[f"{name} (graph)"] = float("nan")
     return ms
 
 

@@ -131,12 +131,14 @@ _INTERPRETER_CONFIG = JaggedAttentionConfig(
 # Gluon kernels of ``hopper/`` take head dim 128, dK/dV on 64-key tiles with 4 warps (two
 # programs per SM): J1's forward + backward 1.21 -> 1.05 ms, J2's 1.77 -> 1.51, graph-replayed
 # (2026-11-30, eleventh session); their backward streaming by TMA, 1.03 -> 0.99 and 1.53 ->
-# 1.47 (twelfth session). The Triton fallback takes the same tiles.
+# 1.47 (twelfth session). dQ's ring of three K/V blocks (its query tile in registers) took its
+# kernel from 270-285 to 259-268 us on J1 (2026-12-01, fourteenth session). The Triton fallback
+# takes the same tiles.
 _GPU_CONFIGS = {
     32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
     128: JaggedAttentionConfig(
-        64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2, 1024, 4,
+        64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 3, 1024, 4,
         fwd_tma=True, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True,
     ),
 }  # fmt: skip
@@ -1002,7 +1004,8 @@ def backward_dq(
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
     )
-    if cfg.dq_hopper and hopper.supported(
+    # (the Gluon dQ kernel's query tile arrives through a slot of its key ring: equal heights)
+    if cfg.dq_hopper and cfg.dq_block_m == cfg.dq_block_n and hopper.supported(
         q, k, v, out, dout,
         rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
     ):  # fmt: skip

@@ -28,14 +28,21 @@ dK/dV (one program per key tile, query-range chunk and head):
 
 dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) for dK/dV):
 
-    Q, dO tile [M, H]                    → shared memory, once (cp.async)
-    for each key block [Nk, H] up to the tile's last visible key (TMA ring):
+    Q, dO tile [M, H]                    → shared memory, once (cp.async); Q lands in the
+                                           K ring's last slot and moves on to registers
+    for each key block [Nk, H] up to the tile's last visible key (TMA ring, three slots):
         S  = Q Kᵀ, dP = dO Vᵀ   wgmma, async, both in flight
         P  = exp2(S · c − lse)            while dP is still on the tensor cores
         dS = P ⊙ (dP − δ)
         dQ += dS K          wgmma, async, dS from registers; it runs on while the next
                             block's S and dP are issued, and is waited for before its key
                             block's ring slot is refilled
+
+Three ring slots give each K/V block two steps to arrive; with two, one step was too short and
+the warps stalled at the ring's barrier (the dQ kernel's largest stall under Nsight Compute).
+The third slot fits beside two programs per SM only because Q lives in registers (112 KB of
+shared memory instead of 128): J1's dQ 270-285 -> 259-268 us, J2's 426-437 -> 394-398,
+gradients bit-equal (docs/performance.md, 2026-12-01, fourteenth session).
 
 dQ stays a kernel of its own, recomputing S and dP: summing each block's dQ part from the dK/dV
 kernel with float32 atomics instead (FlashAttention-2's way) took J1's backward from 0.757 to

@@ -198,6 +198,7 @@ def _jfa_dq_hopper_kernel(
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
+    gl.static_assert(BLOCK_M == BLOCK_N, "the query tile arrives through a slot of the key ring")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
     item, field, head = work_item(work_5W, num_heads)
     seq = gl.load(item)
@@ -221,19 +222,22 @@ def _jfa_dq_hopper_kernel(
         [BLOCK_M, HEAD_DIM], dtype
     )
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    # The query tile lands in the ring's last K slot, which the ring's first fill leaves free;
+    # it moves to registers before step 0 refills that slot.
+    q_landing = k_smem.index(NUM_STAGES - 1)
     ready = ring_barriers(NUM_STAGES)
 
     q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
     do_head = do_TqNH + q_begin * stride_o + head * HEAD_DIM
 
-    # Stage 0: the query tile (cp.async) and the first key blocks of the ring (TMA) in flight;
-    # meanwhile δ = rowsum(dO ⊙ O), stored for the dK/dV kernel (each query row is in one tile).
+    # Stage 0: the query and dO tiles (cp.async) and the first key blocks of the ring (TMA) in
+    # flight; meanwhile δ = rowsum(dO ⊙ O), stored for the dK/dV kernel (each query row is in
+    # one tile). The query tile then moves to registers, where the S MMA reads it.
     n_blocks = gl.cdiv(k_stop, BLOCK_N)
-    copy_rows_async(q_smem, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
+    copy_rows_async(q_landing, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
     copy_rows_async(do_smem, do_head, q_start, q_len, stride_o, copy_layout, BLOCK_M, HEAD_DIM)
     async_copy.commit_group()
     for i in gl.static_range(NUM_STAGES - 1):
@@ -253,7 +257,8 @@ def _jfa_dq_hopper_kernel(
     lse_M = lse_M * LOG2E
     async_copy.wait_group(0)
     cta_barrier()
-    fence_async_shared()  # cp.async wrote the query tile through the generic proxy
+    fence_async_shared()  # cp.async wrote the dO tile through the generic proxy
+    q_lhs = q_landing.load(lhs_op_layout)
 
     # Key blocks from ``full_stop`` on cross the causal diagonal or the sequence's end.
     full_stop = k_len
@@ -276,7 +281,7 @@ def _jfa_dq_hopper_kernel(
         # Stage 1: S and dP issued behind the previous block's dQ MMA; once only this block's
         # two remain in flight, that MMA is done and its ring slot can be refilled.
         s_MN = warpgroup_mma(
-            q_smem, k_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
+            q_lhs, k_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
         )
         dp_MN = warpgroup_mma(
             do_smem, v_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
