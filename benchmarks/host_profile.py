@@ -105,7 +105,26 @@ def attention_steps(smoke: bool):
 
     steps["JFA J1 fwd+bwd"] = jfa_j1_step
     steps["JFA J1 fwd"] = jfa_j1_forward
+
+    def empty_step():
+        return torch.autograd.grad(_EmptyAttention.apply(*leaves1), leaves1, do1)
+
+    steps["autograd floor: empty Function, J1 fwd+bwd"] = empty_step
     return steps
+
+
+class _EmptyAttention(torch.autograd.Function):
+    """What PyTorch alone costs an eager attention step: ``apply``, the autograd engine and the
+    output and gradient allocations of ``q, k, v -> out``, with no kernel and no check."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        return tuple(torch.empty_like(dout) for _ in range(3))
 
 
 def quantize_steps(smoke: bool):

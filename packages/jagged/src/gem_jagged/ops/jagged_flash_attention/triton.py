@@ -1004,8 +1004,7 @@ def backward_dq(
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
     )
-    # (the Gluon dQ kernel's query tile arrives through a slot of its key ring: equal heights)
-    if cfg.dq_hopper and cfg.dq_block_m == cfg.dq_block_n and hopper.supported(
+    if cfg.dq_hopper and hopper.supported(
         q, k, v, out, dout,
         rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
     ):  # fmt: skip

@@ -28,8 +28,9 @@ dK/dV (one program per key tile, query-range chunk and head):
 
 dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) for dK/dV):
 
-    Q, dO tile [M, H]                    → shared memory, once (cp.async); Q lands in the
-                                           K ring's last slot and moves on to registers
+    Q, dO tile [M, H]                    → shared memory, once (cp.async); a Q tile as tall
+                                           as a key block lands in the K ring's last slot
+                                           and moves on to registers
     for each key block [Nk, H] up to the tile's last visible key (TMA ring, three slots):
         S  = Q Kᵀ, dP = dO Vᵀ   wgmma, async, both in flight
         P  = exp2(S · c − lse)            while dP is still on the tensor cores
@@ -42,7 +43,10 @@ Three ring slots give each K/V block two steps to arrive; with two, one step was
 the warps stalled at the ring's barrier (the dQ kernel's largest stall under Nsight Compute).
 The third slot fits beside two programs per SM only because Q lives in registers (112 KB of
 shared memory instead of 128): J1's dQ 270-285 -> 259-268 us, J2's 426-437 -> 394-398,
-gradients bit-equal (docs/performance.md, 2026-12-01, fourteenth session).
+gradients bit-equal (docs/performance.md, 2026-12-01, fourteenth session). Taller query tiles
+(head dim 64: 128 rows on 8 warps over 64-key blocks) keep Q in shared memory: with Q in
+registers there, the four head-dim-64 cases of the GPU test against fp64 failed (the failure
+was not examined).
 
 dQ stays a kernel of its own, recomputing S and dP: summing each block's dQ part from the dK/dV
 kernel with float32 atomics instead (FlashAttention-2's way) took J1's backward from 0.757 to

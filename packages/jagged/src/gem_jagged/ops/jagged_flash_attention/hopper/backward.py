@@ -198,7 +198,6 @@ def _jfa_dq_hopper_kernel(
     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
-    gl.static_assert(BLOCK_M == BLOCK_N, "the query tile arrives through a slot of the key ring")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
     item, field, head = work_item(work_5W, num_heads)
     seq = gl.load(item)
@@ -225,9 +224,13 @@ def _jfa_dq_hopper_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    # The query tile lands in the ring's last K slot, which the ring's first fill leaves free;
-    # it moves to registers before step 0 refills that slot.
-    q_landing = k_smem.index(NUM_STAGES - 1)
+    # A query tile as tall as a key block lands in the ring's last K slot, which the ring's
+    # first fill leaves free, and moves to registers before step 0 refills that slot; another
+    # stays in shared memory of its own.
+    if BLOCK_M == BLOCK_N:
+        q_landing = k_smem.index(NUM_STAGES - 1)
+    else:
+        q_landing = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], rows_smem_layout)
     ready = ring_barriers(NUM_STAGES)
 
     q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
@@ -235,7 +238,7 @@ def _jfa_dq_hopper_kernel(
 
     # Stage 0: the query and dO tiles (cp.async) and the first key blocks of the ring (TMA) in
     # flight; meanwhile δ = rowsum(dO ⊙ O), stored for the dK/dV kernel (each query row is in
-    # one tile). The query tile then moves to registers, where the S MMA reads it.
+    # one tile).
     n_blocks = gl.cdiv(k_stop, BLOCK_N)
     copy_rows_async(q_landing, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
     copy_rows_async(do_smem, do_head, q_start, q_len, stride_o, copy_layout, BLOCK_M, HEAD_DIM)
@@ -257,8 +260,11 @@ def _jfa_dq_hopper_kernel(
     lse_M = lse_M * LOG2E
     async_copy.wait_group(0)
     cta_barrier()
-    fence_async_shared()  # cp.async wrote the dO tile through the generic proxy
-    q_lhs = q_landing.load(lhs_op_layout)
+    fence_async_shared()  # cp.async wrote the query and dO tiles through the generic proxy
+    if BLOCK_M == BLOCK_N:
+        q_op = q_landing.load(lhs_op_layout)
+    else:
+        q_op = q_landing
 
     # Key blocks from ``full_stop`` on cross the causal diagonal or the sequence's end.
     full_stop = k_len
@@ -280,9 +286,7 @@ def _jfa_dq_hopper_kernel(
 
         # Stage 1: S and dP issued behind the previous block's dQ MMA; once only this block's
         # two remain in flight, that MMA is done and its ring slot can be refilled.
-        s_MN = warpgroup_mma(
-            q_lhs, k_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
-        )
+        s_MN = warpgroup_mma(q_op, k_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True)
         dp_MN = warpgroup_mma(
             do_smem, v_NH.permute((1, 0)), no_scores_MN, use_acc=False, is_async=True
         )
