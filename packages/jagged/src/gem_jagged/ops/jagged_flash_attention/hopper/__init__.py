@@ -56,7 +56,8 @@ Why second kernels: Triton keeps the tiles a program holds for its whole loop (K
 dK/dV, Q and dO in dQ) in registers next to the float32 accumulators and score tiles; its dK/dV
 kernel sits at the 255-register limit with spills (``ptxas``, sm_90), and the compiler does not
 overlap the exponentials with the MMAs. Here those tiles stay in shared memory, where ``wgmma``
-reads its left operand, and the MMAs are issued asynchronously in the order above. Small
+reads its left operand (except dQ's Q tile, above), and the MMAs are issued asynchronously in
+the order above. Small
 enough programs to run two per SM won over larger tiles everywhere it was measured
 (docs/performance.md, 2026-11-30, eleventh session); a third per SM (32-key blocks, or a
 register cap) did not win either (twelfth session).
