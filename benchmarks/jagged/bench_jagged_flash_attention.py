@@ -311,7 +311,9 @@ def _sweep_variants(base, workload: str):
         "fwd+dq n32": r(base, fwd_block_n=32, dq_block_n=32),
         "dkdv m32": r(base, dkdv_block_m=32),
         "dkdv s3": r(base, dkdv_stages=3),
-        "dq s3": r(base, dq_stages=3),
+        "dq s2" if base.dq_stages > 2 else "dq s3": r(
+            base, dq_stages=2 if base.dq_stages > 2 else 3
+        ),
         "fwd tma" if not base.fwd_tma else "fwd pointers": r(base, fwd_tma=not base.fwd_tma),
         "fwd m128 w8": r(base, fwd_block_m=128, fwd_warps=8),
         "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
