@@ -30,7 +30,8 @@ dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) fo
 
     Q, dO tile [M, H]                    → shared memory, once (cp.async); a Q tile as tall
                                            as a key block lands in the K ring's last slot
-                                           and moves on to registers
+                                           and moves on to registers, and its O tile lands
+                                           in the V ring's last slot for δ
     for each key block [Nk, H] up to the tile's last visible key (TMA ring, three slots):
         S  = Q Kᵀ, dP = dO Vᵀ   wgmma, async, both in flight
         P  = exp2(S · c − lse)            while dP is still on the tensor cores
