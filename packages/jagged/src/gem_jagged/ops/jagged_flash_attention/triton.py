@@ -158,13 +158,16 @@ _GPU_CONFIGS_FP32 = {
 # pointers: through TMA J3's forward ran 0.103 ms against 0.112 on the device, but Triton
 # encodes each descriptor on the host at every launch, 127 us of host time per call against 96,
 # and an eager J3 call is host-bound (docs/performance.md, 2026-11-30, tenth session).
+# Its Triton dQ keeps two stages: with the three it inherited from the table above for a few
+# commits, J3's forward + backward took 337-340 us of device time, against 285 with two
+# (graph replays, 2026-12-01, fourteenth session).
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()
 } | {
     128: dataclasses.replace(
         _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4,
-        fwd_tma=False, fwd_hopper=False, dkdv_hopper=False, dq_hopper=False,
+        dq_stages=2, fwd_tma=False, fwd_hopper=False, dkdv_hopper=False, dq_hopper=False,
     )
 }  # fmt: skip
 
