@@ -177,6 +177,18 @@ def _jfa(q, k, v, offsets, *, rel_bias: bool):
     return jagged_flash_attention(q, k, v, offsets, causal=True, rel_bias=bias, backend="triton")
 
 
+def _jfa_cross(q, k, v, offsets):
+    """J3-like: the batch's queries over 64 candidate keys per sequence (the short-keys table,
+    whose dK/dV kernel also writes dQ)."""
+    from gem_jagged import jagged_flash_attention
+
+    batch = offsets.numel() - 1
+    kv_offsets = torch.arange(batch + 1, dtype=offsets.dtype) * 64
+    return jagged_flash_attention(
+        q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton"
+    )
+
+
 def _jfa_hopper():
     """The plain path with every bf16/fp16 tile table asking for the Gluon backward kernels,
     over long keys (128-key dK/dV tiles) and short ones (64-key tiles)."""
@@ -272,6 +284,7 @@ def _lowprec():
 OPS = {
     "jfa": _attention(functools.partial(_jfa, rel_bias=False)),
     "jfa_bias": _attention(functools.partial(_jfa, rel_bias=True)),
+    "jfa_cross": _attention(_jfa_cross),
     "jfa_hopper": _jfa_hopper(),
     "gdpa": _attention(functools.partial(_gdpa, rel_bias=False)),
     "gdpa_bias": _attention(functools.partial(_gdpa, rel_bias=True)),

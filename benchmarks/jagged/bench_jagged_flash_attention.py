@@ -363,6 +363,9 @@ def _sweep_variants(base, workload: str):
             ),
             "dkdv s3": r(base, dkdv_stages=3),
             "dkdv m16": r(base, dkdv_block_m=16),
+            "dkdv s3 w8": r(base, dkdv_stages=3, dkdv_warps=8),
+            "dkdv m16 s3": r(base, dkdv_block_m=16, dkdv_stages=3),
+            "dq kernel for every sequence (the J3 default before)": r(base, dq_in_dkdv=False),
         }
     return variants
 

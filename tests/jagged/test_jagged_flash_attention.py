@@ -172,9 +172,10 @@ def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal, tabl
 
 
 def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
-    """Forward, dQ, dK/dV and the compiled op's fake shape all ask for the tiles of the bias path
-    when there is a bias (their work lists must agree), and for the plain ones without; all of
-    them for the batch's keys per sequence (the short-keys table)."""
+    """The forward, the backward (once for its kernels) and the compiled op's fake shape all ask
+    for the tiles of the bias path when there is a bias (their work lists must agree), and for
+    the plain ones without; all of them for the batch's keys per sequence (the short-keys
+    table)."""
     from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -199,7 +200,7 @@ def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
                 fake["q"], fake["k"], fake["v"], mode.from_tensor(q_off),
                 mode.from_tensor(kv_off), fake.get("rel_bias"), True, 0.1, None, "triton",
             )  # fmt: skip
-        assert len(asked) == 4 and set(asked) == {radius is not None}, asked
+        assert len(asked) == 3 and set(asked) == {radius is not None}, asked
 
 
 def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():
@@ -381,6 +382,49 @@ def test_dkdv_split_sees_the_longest_sequence_without_a_hint(monkeypatch, hint, 
     assert seen == [expected]
 
 
+class _LaunchCounter:
+    """Stands in for a Triton kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("lk", "fit_known", "dq_launches"),
+    [
+        ([16, 3, 9, 5], True, 0),  # every sequence fits one key tile, as the host check showed
+        ([16, 3, 9, 5], False, 1),  # the same, unknown: the dQ kernel runs and skips them all
+        ([16, 0, 40, 5], False, 1),  # no keys, or more than a tile: the dQ kernel's sequences
+    ],
+)
+def test_short_keys_dkdv_kernel_writes_dq(monkeypatch, causal, lk, fit_known, dq_launches):
+    """Short keys without a bias (J3): the dK/dV kernel sums δ itself and writes dQ of every
+    sequence whose keys fit its one key tile (16 rows here), over query ranges split across
+    programs whose last arrival casts dK/dV; causal rows above the diagonal get zero dQ. The
+    dQ kernel handles the other sequences and is not launched when every sequence is known to
+    fit."""
+    assert jfa_triton.config_for(32, torch.device("cpu"), torch.float32).dq_in_dkdv
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):  # a row nobody writes reads NaN, not a lucky zero
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    counter = _LaunchCounter(jfa_triton._jfa_dq_kernel)
+    monkeypatch.setattr(jfa_triton, "_jfa_dq_kernel", counter)
+    monkeypatch.setattr(jfa_triton, "keys_fit_one_tile", lambda offsets, block_n: fit_known)
+    _check_against_fp64(
+        [70, 1, 45, 33], lk, causal=causal, radius=None, seed=13, dtype=torch.float32
+    )
+    assert counter.launches == dq_launches
+
+
 def _bad_inputs():
     t, q_off, _ = _case(
         [3, 4], [3, 4], heads=2, head_dim=32, radius=None, seed=0, dtype=torch.float32
@@ -447,6 +491,12 @@ GPU_CASES = [
     ([1, 127, 128, 129, 700, 0, 3000], None, True, 40, 128),
     # not causal, Lq != Lk: tiles wholly right of the band (bucket 2R) too
     ([300, 5, 17, 1000], [200, 9, 0, 1500], False, 40, 64),
+    # short keys (the J3 table, whose dK/dV kernel writes dQ): query ranges split three ways,
+    # causal rows above the diagonal, and sequences with no keys or more than a key tile's (the
+    # dQ kernel's)
+    ([3000, 5, 0, 2500, 64], [64, 64, 64, 30, 1], False, None, 128),
+    ([3000, 5, 0, 2500, 64], [64, 64, 64, 30, 1], True, None, 128),
+    ([3000, 5, 0, 2500], [64, 0, 64, 100], False, None, 64),
 ]
 
 

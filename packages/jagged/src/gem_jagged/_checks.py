@@ -177,6 +177,15 @@ def checked_length_range(offsets: torch.Tensor) -> tuple[int, int] | None:
     return None if entry is None else entry[3]
 
 
+def keys_fit_one_tile(kv_offsets: torch.Tensor, block_n: int) -> bool:
+    """True when every sequence is known to have 1 to ``block_n`` keys: a dK/dV kernel whose
+    one key tile then holds all of a sequence's keys can write every dQ row, and the dQ kernel
+    would launch only to exit. Known from the host check of the offsets; unknown (inside a
+    graph capture, say) is False."""
+    lengths = checked_length_range(kv_offsets)
+    return lengths is not None and 1 <= lengths[0] and lengths[1] <= block_n
+
+
 def _remember_checked(offsets: torch.Tensor, total: int, length_range: tuple[int, int]) -> None:
     key = id(offsets)
     _CHECKED[key] = (

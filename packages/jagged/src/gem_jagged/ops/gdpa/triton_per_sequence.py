@@ -30,7 +30,7 @@ tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the wo
 import torch
 import triton.language as tl
 
-from gem_jagged._checks import checked_length_range
+from gem_jagged._checks import keys_fit_one_tile
 from gem_jagged._jit import jit
 
 from .triton import (
@@ -280,14 +280,6 @@ def _gdpa_bwd_dq_seq_kernel(
         tl.store(dbias_WNB_ptr + (slot * num_heads + head) * NB_POW2 + idx, dbias_NB)
 
 
-def _keys_fit_one_tile(kv_offsets_Bp1: torch.Tensor, block_n: int) -> bool:
-    """True when every sequence is known to have 1 to ``block_n`` keys: the dK/dV kernel then
-    writes every dQ row and the dQ kernel would launch only to exit. Known from the host check
-    of the offsets; unknown (inside a graph capture, say) launches it."""
-    lengths = checked_length_range(kv_offsets_Bp1)
-    return lengths is not None and 1 <= lengths[0] and lengths[1] <= block_n
-
-
 def _split(batch: int, num_heads: int, tiles: GdpaTiles, target: int | None = None) -> int:
     """Programs per (sequence, head) of the per-sequence schedule, aiming at ``target``
     programs in all (default ``tiles.split_target``)."""
@@ -361,7 +353,7 @@ def backward_per_sequence(
             BROADCAST_Q=broadcast_q, ATOMIC_KV=atomic_kv, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
             num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common,
         )  # fmt: skip
-        if not broadcast_q and not _keys_fit_one_tile(kv_offsets_Bp1, tiles.dkdv_n):
+        if not broadcast_q and not keys_fit_one_tile(kv_offsets_Bp1, tiles.dkdv_n):
             _gdpa_bwd_dq_seq_kernel[(batch, num_heads, split)](
                 q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias_arg, q_offsets_Bp1, kv_offsets_Bp1,
                 q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),

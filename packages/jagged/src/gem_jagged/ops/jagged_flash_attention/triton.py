@@ -23,7 +23,16 @@ Backward, dK/dV kernel (one program per (key tile, query-range chunk, head))
     ``dK += dSᵀ Q`` with ``dS = P ⊙ (dP − δ)``, ``δ = rowsum(dO ⊙ O)``. The key tiles of a long
     sequence see thousands of query rows; the work list splits that query range into chunks so
     one 20k-token sequence spreads over many programs. Chunks of a split tile add their partial
-    dK/dV into a float32 scratch with atomics; unsplit tiles store directly.
+    dK/dV into a float32 scratch with atomics and count their arrival; the last to arrive casts
+    the sums into dK/dV (no finishing launch). Unsplit tiles store directly.
+
+    Short keys (candidates, J3: the short-keys table's ``dq_in_dkdv``, no bias). A sequence of
+    at most ``BLOCK_N`` keys is one key tile, so its program sees every key of the query rows
+    it streams: it computes their ``δ`` from the output block and stores ``dQ = dS K`` too, from
+    the ``dS`` it has anyway. The backward of such a batch is one launch instead of three (dQ,
+    dK/dV, finish), and ``QKᵀ`` and ``dO Vᵀ`` are computed once instead of twice. The dQ kernel
+    still serves the sequences with no keys or more than a tile's, and is not launched when
+    the offsets' host check has shown there are none.
 
 Backward, dQ kernel (one program per (query tile, head), a query work list like the forward's)
     Runs first. It computes ``δ`` of its rows from the output tile and ``dO``, which it holds
@@ -66,8 +75,8 @@ every tile is 16 rows, so small tests cross many tile edges.
 Host cost. A forward + backward step of a small batch is over in a few hundred microseconds of
 device time, so what the host does per call matters: the work lists are remembered per offsets
 tensor (``cache=True`` of ``gem_jagged._worklist``), the forward's query list is handed to the
-backward, and the dK/dV split (with its float32 scratch and finishing kernel) is only used when
-the longest sequence would otherwise be the tail of the launch (``dkdv_splits``). Q, K and V
+backward, and the dK/dV split (with its zeroed float32 scratch) is only used when the longest
+sequence would otherwise be the tail of the launch (``dkdv_splits``). Q, K and V
 are read where they lie as long as each token's heads are dense (the views of a fused QKV
 projection are): the kernels take their row strides instead of a contiguous copy of each.
 """
@@ -80,7 +89,7 @@ import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gem_jagged._checks import checked_length_range
+from gem_jagged._checks import checked_length_range, keys_fit_one_tile
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
@@ -112,6 +121,9 @@ class JaggedAttentionConfig:
     # dq_block_n (a gather index wider than its source along the axis can fail to compile).
     dq_diag_chunk: int = 64
     fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
+    # Short keys without a bias: the Triton dK/dV kernel sums δ itself and writes dQ of every
+    # sequence whose keys fit its one key tile (``jfa_backward``).
+    dq_in_dkdv: bool = False
     # The Gluon kernels of ``hopper/`` where they apply (sm_90, 2-byte, no bias)
     fwd_hopper: bool = False
     dkdv_hopper: bool = False
@@ -120,7 +132,7 @@ class JaggedAttentionConfig:
 
 # Small chunks of bias diagonals too, so that small tests cross chunk edges.
 _INTERPRETER_CONFIG = JaggedAttentionConfig(
-    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8, fwd_tma=True
+    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8, fwd_tma=True, dq_in_dkdv=True
 )
 
 # bf16 / fp16 (2-byte elements). Head dim 128: 64-row query tiles on 4 warps for the forward and
@@ -163,11 +175,13 @@ _GPU_CONFIGS_FP32 = {
 # (graph replays, 2026-12-01, fourteenth session).
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
-    hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS.items()
+    hd: dataclasses.replace(cfg, dkdv_block_n=64, dq_in_dkdv=True)
+    for hd, cfg in _GPU_CONFIGS.items()
 } | {
     128: dataclasses.replace(
         _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4,
         dq_stages=2, fwd_tma=False, fwd_hopper=False, dkdv_hopper=False, dq_hopper=False,
+        dq_in_dkdv=True,
     )
 }  # fmt: skip
 
@@ -243,8 +257,8 @@ def dkdv_splits(
     the count for equal lengths. Heaviest-first scheduling hides a program no longer than one
     SM's share; a longer one is cut into chunks of about that share (at least ``split_rows``
     rows, at most ``max_splits`` chunks). Splitting costs a float32 scratch for dK/dV (zeroed:
-    proportional to ``Tk``), atomics and a finishing kernel, so it is kept for real tails: J3
-    (64 keys per sequence, one key tile each) splits, J1 and J2 do not.
+    proportional to ``Tk``), atomics and, after the Gluon kernel, a finishing kernel, so it is
+    kept for real tails: J3 (64 keys per sequence, one key tile each) splits, J1 and J2 do not.
     """
     if longest_q <= cfg.split_rows or cfg.max_splits <= 1 or num_seqs == 0:
         return 1
@@ -473,15 +487,18 @@ def _jfa_fwd_kernel(
 
 @jit
 def _dkdv_query_blocks(
-    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head, far_bias,
-    bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, start, stop, qk_scale_log2, stride_q,
-    stride_o,
+    dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, out_head, dq_head, lse_head, delta_head,
+    bias_head, far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, start, stop,
+    scale, qk_scale_log2, stride_q, stride_o, dq_here,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, FAR_BIAS: tl.constexpr, MASKED: tl.constexpr,
-    BIAS_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BIAS_STEP: tl.constexpr, DQ_IN_DKDV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Stream query blocks ``[start, stop)`` past the key tile, accumulating dK (unscaled), dV;
-    with ``FAR_BIAS`` the blocks lie below the bias band (bucket 0 for every pair)."""
+    with ``FAR_BIAS`` the blocks lie below the bias band (bucket 0 for every pair). With
+    ``DQ_IN_DKDV`` δ comes from the output block instead of the dQ kernel, and where the tile
+    holds all of the sequence's keys (``dq_here``) each block's dQ = dS K is stored too."""
     dims_H = tl.arange(0, HEAD_DIM)
     for block_start in tl.range(start, stop, BLOCK_M, num_stages=NUM_STAGES):
         rows_M = block_start + tl.arange(0, BLOCK_M)
@@ -494,7 +511,13 @@ def _dkdv_query_blocks(
             do_head + rows_M1 * stride_o + dims_H[None, :], mask=row_ok_M[:, None], other=0.0
         )
         lse_M = tl.load(lse_head + rows_M, mask=row_ok_M, other=float("inf")) * 1.4426950408889634
-        delta_M = tl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
+        if DQ_IN_DKDV:
+            out_MH = tl.load(
+                out_head + rows_M1 * stride_o + dims_H[None, :], mask=row_ok_M[:, None], other=0.0
+            )
+            delta_M = tl.sum(out_MH.to(tl.float32) * do_MH.to(tl.float32), 1)
+        else:
+            delta_M = tl.load(delta_head + rows_M, mask=row_ok_M, other=0.0)
         # Rebuild Pᵀ from the saved log-sum-exp.
         s_NM = tl.dot(k_NH, tl.trans(q_MH), input_precision=DOT_PRECISION) * qk_scale_log2
         s_NM = add_relative_bias(
@@ -507,20 +530,28 @@ def _dkdv_query_blocks(
                 p_NM = tl.where(cols_N[:, None] <= rows_M[None, :] + diag, p_NM, 0.0)
         dv_NH = tl.dot(p_NM.to(do_MH.dtype), do_MH, dv_NH, input_precision=DOT_PRECISION)
         dp_NM = tl.dot(v_NH, tl.trans(do_MH), input_precision=DOT_PRECISION)
-        ds_NM = p_NM * (dp_NM - delta_M[None, :])
-        dk_NH = tl.dot(ds_NM.to(q_MH.dtype), q_MH, dk_NH, input_precision=DOT_PRECISION)
+        ds_NM = (p_NM * (dp_NM - delta_M[None, :])).to(q_MH.dtype)
+        dk_NH = tl.dot(ds_NM, q_MH, dk_NH, input_precision=DOT_PRECISION)
+        if DQ_IN_DKDV:
+            if dq_here:
+                dq_MH = tl.dot(tl.trans(ds_NM), k_NH, input_precision=DOT_PRECISION) * scale
+                tl.store(
+                    dq_head + rows_M1 * stride_o + dims_H[None, :],
+                    dq_MH.to(dq_head.dtype.element_ty), mask=row_ok_M[:, None],
+                )  # fmt: skip
     return dk_NH, dv_NH
 
 
 @jit
 def _jfa_dkdv_kernel(
-    q_TqNH, k_TkNH, v_TkNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NONM,
-    dk_TkNH, dv_TkNH, dk_scratch_TkNH, dv_scratch_TkNH,
+    q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NONM,
+    dq_TqNH, dk_TkNH, dv_TkNH, scratch_F,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
-    num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets, stride_q, stride_kv,
+    num_heads, total_q, total_kv, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
+    stride_q, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DQ_IN_DKDV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     slot, head = _slot_and_head(num_heads, True)
     seq = tl.load(work_seq_W + slot)
@@ -533,7 +564,7 @@ def _jfa_dkdv_kernel(
     q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
     diag = k_len - q_len
-    stride_o = num_heads * HEAD_DIM  # dO, dK, dV and the scratch are contiguous
+    stride_o = num_heads * HEAD_DIM  # O, dO, dQ, dK, dV and the scratch are contiguous
 
     cols_N = k_start + tl.arange(0, BLOCK_N)
     dims_H = tl.arange(0, HEAD_DIM)
@@ -545,9 +576,26 @@ def _jfa_dkdv_kernel(
     kv_offsets_NH = k_rows_N1 * stride_o + head * HEAD_DIM + dims_H[None, :]
     q_head = q_TqNH + q_begin * stride_q + head * HEAD_DIM
     do_head = do_TqNH + q_begin * stride_o + head * HEAD_DIM
+    out_head = out_TqNH + q_begin * stride_o + head * HEAD_DIM
+    dq_head = dq_TqNH + q_begin * stride_o + head * HEAD_DIM
     lse_head = lse_NTq + head * total_q + q_begin
     delta_head = delta_NTq + head * total_q + q_begin
     bias_head = bias_tiles_NONM + head.to(tl.int64) * bias_offsets * (BLOCK_N * BLOCK_M)
+    # The tile holds every key of its sequence: dQ of the rows it visits is complete here.
+    dq_here = k_len <= BLOCK_N
+    if DQ_IN_DKDV:
+        if CAUSAL:
+            # Rows above the diagonal see no key and are in no chunk: the first chunk zeroes
+            # their dQ.
+            first_lo = tl.minimum(tl.maximum(k_start - diag, 0) // BLOCK_M * BLOCK_M, q_len)
+            if dq_here & (q_lo == first_lo):
+                zeros_MH = tl.zeros([BLOCK_M, HEAD_DIM], dq_TqNH.dtype.element_ty)
+                for block_start in range(0, first_lo, BLOCK_M):
+                    rows_M = block_start + tl.arange(0, BLOCK_M)
+                    tl.store(
+                        dq_head + rows_M.to(tl.int64)[:, None] * stride_o + dims_H[None, :],
+                        zeros_MH, mask=(rows_M < first_lo)[:, None],
+                    )  # fmt: skip
 
     dk_NH = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv_NH = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -568,29 +616,44 @@ def _jfa_dkdv_kernel(
         far_start = tl.minimum(tl.maximum(far_start, mask_stop), q_hi)
         far_bias = far_bias_log2(bias_head)
     dk_NH, dv_NH = _dkdv_query_blocks(
-        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
-        far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo, mask_stop,
-        qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, True,
-        BIAS_STEP, DOT_PRECISION, NUM_STAGES,
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, out_head, dq_head, lse_head, delta_head,
+        bias_head, far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, q_lo,
+        mask_stop, scale, qk_scale_log2, stride_q, stride_o, dq_here, HEAD_DIM, BLOCK_M,
+        BLOCK_N, CAUSAL, HAS_BIAS, False, True, BIAS_STEP, DQ_IN_DKDV, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
-        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
-        far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, mask_stop, far_start,
-        qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, False, False,
-        BIAS_STEP, DOT_PRECISION, NUM_STAGES,
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, out_head, dq_head, lse_head, delta_head,
+        bias_head, far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, mask_stop,
+        far_start, scale, qk_scale_log2, stride_q, stride_o, dq_here, HEAD_DIM, BLOCK_M,
+        BLOCK_N, CAUSAL, HAS_BIAS, False, False, BIAS_STEP, DQ_IN_DKDV, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH, dv_NH = _dkdv_query_blocks(
-        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, lse_head, delta_head, bias_head,
-        far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, far_start, q_hi,
-        qk_scale_log2, stride_q, stride_o, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, True, False,
-        BIAS_STEP, DOT_PRECISION, NUM_STAGES,
+        dk_NH, dv_NH, k_NH, v_NH, q_head, do_head, out_head, dq_head, lse_head, delta_head,
+        bias_head, far_bias, bias_o_lo, bias_offsets, k_start, cols_N, q_len, diag, far_start,
+        q_hi, scale, qk_scale_log2, stride_q, stride_o, dq_here, HEAD_DIM, BLOCK_M,
+        BLOCK_N, CAUSAL, HAS_BIAS, True, False, BIAS_STEP, DQ_IN_DKDV, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     dk_NH = dk_NH * scale
+    out_ty = dk_TkNH.dtype.element_ty
     if splits > 1:
-        tl.atomic_add(dk_scratch_TkNH + kv_offsets_NH, dk_NH, mask=col_ok_N[:, None], sem="relaxed")
-        tl.atomic_add(dv_scratch_TkNH + kv_offsets_NH, dv_NH, mask=col_ok_N[:, None], sem="relaxed")
+        # The chunks of a split tile add their parts into the float32 scratch ([dK; dV; one
+        # arrival counter per (key row, head)]); the last to arrive casts the sums into dK/dV.
+        # All of this program's adds are issued (barrier) before its arrival is counted
+        # (release), and the sums are read after (acquire), from L2.
+        dk_scratch = scratch_F + kv_offsets_NH
+        dv_scratch = dk_scratch + total_kv.to(tl.int64) * stride_o
+        tl.atomic_add(dk_scratch, dk_NH, mask=col_ok_N[:, None], sem="relaxed")
+        tl.atomic_add(dv_scratch, dv_NH, mask=col_ok_N[:, None], sem="relaxed")
+        tl.debug_barrier()
+        arrivals = scratch_F + 2 * total_kv.to(tl.int64) * stride_o
+        arrivals = arrivals.to(tl.pointer_type(tl.int32), bitcast=True)
+        arrived = tl.atomic_add(arrivals + (k_begin + k_start) * num_heads + head, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            dk_NH = tl.load(dk_scratch, mask=col_ok_N[:, None], other=0.0, cache_modifier=".cg")
+            dv_NH = tl.load(dv_scratch, mask=col_ok_N[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(dk_TkNH + kv_offsets_NH, dk_NH.to(out_ty), mask=col_ok_N[:, None])
+            tl.store(dv_TkNH + kv_offsets_NH, dv_NH.to(out_ty), mask=col_ok_N[:, None])
     else:
-        out_ty = dk_TkNH.dtype.element_ty
         tl.store(dk_TkNH + kv_offsets_NH, dk_NH.to(out_ty), mask=col_ok_N[:, None])
         tl.store(dv_TkNH + kv_offsets_NH, dv_NH.to(out_ty), mask=col_ok_N[:, None])
 
@@ -601,7 +664,8 @@ def _jfa_dkdv_finish_kernel(
     kv_offsets_Bp1, work_seq_W, work_start_W, work_splits_W, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Cast the float32 sums of split key tiles into dK/dV (every chunk writes the same rows)."""
+    """Cast the float32 sums of split key tiles into dK/dV after the Gluon dK/dV kernel (every
+    chunk writes the same rows)."""
     slot, head = _slot_and_head(num_heads, True)
     seq = tl.load(work_seq_W + slot)
     splits = tl.load(work_splits_W + slot)
@@ -701,6 +765,7 @@ def _jfa_dq_kernel(
     dbias_part_PR2,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_hi_W,
     num_heads, total_q, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets, stride_q, stride_kv,
+    keys_done_elsewhere,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
     DIAG_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -713,6 +778,8 @@ def _jfa_dq_kernel(
     k_stop = tl.load(work_hi_W + slot)
     q_begin, q_len = _load_sequence(q_offsets_Bp1, seq)
     k_begin, k_len = _load_sequence(kv_offsets_Bp1, seq)
+    if (k_len > 0) & (k_len <= keys_done_elsewhere):
+        return  # 1 to ``keys_done_elsewhere`` keys: the dK/dV kernel writes this dQ (DQ_IN_DKDV)
     diag = k_len - q_len
     stride_o = num_heads * HEAD_DIM  # O, dO and dQ are contiguous
 
@@ -892,35 +959,56 @@ def jfa_backward(
     forward_work=None, descriptors=None,
 ):  # fmt: skip
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``.
-    ``descriptors``: the forward's memo of TMA descriptors (``jfa_forward``), or None."""
+    ``descriptors``: the forward's memo of TMA descriptors (``jfa_forward``), or None.
+
+    Usually dQ runs first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then
+    reads. Where the tile table says so (``dq_in_dkdv``: short keys, no bias, the Triton dK/dV
+    kernel) the dK/dV kernel computes δ itself and writes dQ of every sequence whose keys fit
+    its one key tile; the dQ kernel then runs only for the other sequences, and not at all when
+    the offsets' host check showed every sequence to have 1 to ``dkdv_block_n`` keys.
+    """
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
-    # dQ first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then reads.
-    dq, dbias, delta = backward_dq(
-        dout, q, k, v, out, lse, q_offsets, kv_offsets,
-        causal=causal, scale=scale, rel_bias=rel_bias, forward_work=forward_work,
-        descriptors=descriptors,
+    cfg = config_for(
+        q.shape[2], q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
+        rel_bias=rel_bias is not None,
     )  # fmt: skip
+    dkdv_on_hopper = cfg.dkdv_hopper and hopper.supported(
+        q, k, v, dout,
+        rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+    )  # fmt: skip
+    dq_in_dkdv = cfg.dq_in_dkdv and rel_bias is None and not dkdv_on_hopper
+    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, cfg=cfg)
+    if dq_in_dkdv:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        delta = lse  # never read: the dK/dV kernel sums δ itself
+        if not keys_fit_one_tile(kv_offsets, cfg.dkdv_block_n):
+            backward_dq(
+                dout, q, k, v, out, lse, q_offsets, kv_offsets, forward_work=forward_work,
+                descriptors=descriptors, dq=dq, keys_done_elsewhere=cfg.dkdv_block_n, **options,
+            )  # fmt: skip
+        dbias = None
+    else:
+        dq, dbias, delta = backward_dq(
+            dout, q, k, v, out, lse, q_offsets, kv_offsets, forward_work=forward_work,
+            descriptors=descriptors, **options,
+        )  # fmt: skip
     dk, dv = backward_dkdv(
-        dout, q, k, v, lse, delta, q_offsets, kv_offsets,
-        causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
-        descriptors=descriptors,
+        dout, q, k, v, out, lse, delta, dq, q_offsets, kv_offsets, max_q_len=max_q_len,
+        descriptors=descriptors, on_hopper=dkdv_on_hopper, dq_in_dkdv=dq_in_dkdv, **options,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
 
 def backward_dkdv(
-    dout, q, k, v, lse, delta, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
-    descriptors=None,
+    dout, q, k, v, out, lse, delta, dq, q_offsets, kv_offsets, *, causal, scale, rel_bias, cfg,
+    on_hopper, dq_in_dkdv, max_q_len=None, descriptors=None,
 ):  # fmt: skip
-    """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout contiguous) from the key-tile
-    work list, long query ranges split."""
+    """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous) from the
+    key-tile work list, long query ranges split; with ``dq_in_dkdv`` also dQ of the sequences
+    whose keys fit one tile, into ``dq``."""
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
-    cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
-        rel_bias=rel_bias is not None,
-    )  # fmt: skip
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
     if max_q_len is None:  # no hint: the offsets' host check may know the longest sequence
         lengths = checked_length_range(q_offsets)
@@ -934,62 +1022,62 @@ def backward_dkdv(
         q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
         align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits, cache=True,
     )  # fmt: skip
+    # Split tiles add into a zeroed float32 scratch: dK, dV, then (for the Triton kernel) an
+    # arrival counter per (key row, head).
+    kv_numel = k.numel()
     if max_splits > 1:
-        scratch = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-        dk_scratch, dv_scratch = scratch[0], scratch[1]
+        scratch = torch.zeros(2 * kv_numel + k.shape[0] * num_heads, dtype=torch.float32,
+                              device=k.device)  # fmt: skip
     else:  # never written, but float32 like the real scratch: one compiled variant for both
-        dk_scratch = dv_scratch = _unused_float32(k.device)
-    tiles, o_lo, num_offsets, step = _bias_tile_args(
-        rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
-    )
+        scratch = _unused_float32(k.device)
     grid = (kwork.num_slots * num_heads,)
-    if cfg.dkdv_hopper and hopper.supported(
-        q, k, v, dout,
-        rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
-    ):  # fmt: skip
+    if on_hopper:
+        dk_scratch = dv_scratch = scratch
+        if max_splits > 1:
+            dk_scratch, dv_scratch = (scratch[i * kv_numel : (i + 1) * kv_numel].view(k.shape)
+                                      for i in range(2))  # fmt: skip
         hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
             descriptors=descriptors,
         )  # fmt: skip
-    else:
-        _jfa_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, tiles,
-            dk, dv, dk_scratch, dv_scratch,
-            q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
-            num_heads, total_q, scale, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets,
-            q.stride(0), k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m,
-            BLOCK_N=cfg.dkdv_block_n,
-            CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-            DOT_PRECISION=_dot_precision(q.dtype),
-            NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        )  # fmt: skip
-    if max_splits > 1:
-        _jfa_dkdv_finish_kernel[grid](
-            dk, dv, dk_scratch, dv_scratch, kv_offsets,
-            kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
-            HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
-        )  # fmt: skip
+        if max_splits > 1:
+            _jfa_dkdv_finish_kernel[grid](
+                dk, dv, dk_scratch, dv_scratch, kv_offsets,
+                kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
+                HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+            )  # fmt: skip
+        return dk, dv
+    tiles, o_lo, num_offsets, step = _bias_tile_args(
+        rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
+    )
+    _jfa_dkdv_kernel[grid](
+        q, k, v, out, dout, lse, delta, tiles, dq, dk, dv, scratch,
+        q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
+        num_heads, total_q, k.shape[0], scale, scale * LOG2E, _radius(rel_bias), o_lo,
+        num_offsets, q.stride(0), k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m,
+        BLOCK_N=cfg.dkdv_block_n, CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+        DQ_IN_DKDV=dq_in_dkdv, DOT_PRECISION=_dot_precision(q.dtype),
+        NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )  # fmt: skip
     return dk, dv
 
 
 def backward_dq(
-    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, forward_work=None,
-    descriptors=None,
+    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, cfg,
+    forward_work=None, descriptors=None, dq=None, keys_done_elsewhere=0,
 ):  # fmt: skip
     """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
     (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous), from the query-tile
-    work list.
+    work list; into ``dq`` when given. Sequences of 1 to ``keys_done_elsewhere`` keys are
+    skipped (the dK/dV kernel writes their dQ).
 
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
-        rel_bias=rel_bias is not None,
-    )  # fmt: skip
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if dq is None:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     radius = _radius(rel_bias)
     if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
@@ -1007,7 +1095,7 @@ def backward_dq(
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
     )
-    if cfg.dq_hopper and hopper.supported(
+    if cfg.dq_hopper and not keys_done_elsewhere and hopper.supported(
         q, k, v, out, dout,
         rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
     ):  # fmt: skip
@@ -1021,7 +1109,8 @@ def backward_dq(
             q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
             q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
             num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
-            k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+            k.stride(0), keys_done_elsewhere, HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m,
+            BLOCK_N=cfg.dq_block_n,
             CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
             DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
             DOT_PRECISION=_dot_precision(q.dtype),
