@@ -13,6 +13,7 @@ offsets on the host can check them there for free and move them with ``offsets_t
 which remembers the copy as checked: no synchronisation at all.
 """
 
+import functools
 import weakref
 
 import torch
@@ -65,12 +66,22 @@ def check_head_dim(name: str, head_dim: int, supported=SUPPORTED_HEAD_DIMS) -> N
         raise ValueError(f"{name} has head dim {head_dim}; supported head dims are {supported}")
 
 
+@functools.cache
+def _has_cuda() -> bool:
+    # ``torch.cuda.is_available`` reads the environment on every call: several microseconds of
+    # host time, paid a few times per eager attention call.
+    return torch.cuda.is_available()
+
+
+def capturing_cuda_graph() -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return _has_cuda() and torch.cuda.is_current_stream_capturing()
+
+
 def building_a_graph() -> bool:
     """True under ``torch.compile`` tracing or while the current CUDA stream is captured: no
     host read of device values, and nothing remembered from one batch may shape the launch."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or capturing_cuda_graph()
 
 
 def check_offsets(

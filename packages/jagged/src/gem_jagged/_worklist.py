@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from gem_jagged._checks import capturing_cuda_graph
 from gem_jagged._intmath import cdiv
 from gem_jagged._jit import jit
 
@@ -372,7 +373,7 @@ def _cacheable(*offsets: torch.Tensor) -> bool:
     # saved for a later backward pass.
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in offsets):
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not capturing_cuda_graph()
 
 
 def _remembered(kind: str, tiled: torch.Tensor, other: torch.Tensor, options: tuple, build):
