@@ -358,14 +358,17 @@ def _sweep_variants(base, workload: str):
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
-            "dkdv m64 n64 w8 s2 (the J3 default before)": r(
-                base, dkdv_block_m=64, dkdv_warps=8, dkdv_stages=2
+            "dkdv m64 n64 w8 s2 (the J3 default until 2026-11-30)": r(
+                base, dkdv_block_m=64, dkdv_warps=8, dkdv_stages=2, dq_in_dkdv=False
             ),
             "dkdv s3": r(base, dkdv_stages=3),
+            "dkdv s4": r(base, dkdv_stages=4),
             "dkdv m16": r(base, dkdv_block_m=16),
-            "dkdv s3 w8": r(base, dkdv_stages=3, dkdv_warps=8),
             "dkdv m16 s3": r(base, dkdv_block_m=16, dkdv_stages=3),
-            "dq kernel for every sequence (the J3 default before)": r(base, dq_in_dkdv=False),
+            "dkdv s3 w8": r(base, dkdv_stages=3, dkdv_warps=8),
+            "dq kernel for every sequence, dkdv s4 (the J3 default before)": r(
+                base, dq_in_dkdv=False, dkdv_stages=4
+            ),
         }
     return variants
 

@@ -163,23 +163,26 @@ _GPU_CONFIGS_FP32 = {
 
 # bf16 / fp16 when the sequences average at most SHORT_KEYS keys (candidates, J3): a dK/dV
 # program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
-# at head dim 128 it streams 32 query rows on 4 warps through 4 stages (J3's backward 0.224 ->
-# 0.195 ms on an H200). The Triton kernels serve it on Hopper too: the Gluon backward ran J3's
-# in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query
+# at head dim 128 it streams 32 query rows on 4 warps (J3's backward 0.224 -> 0.195 ms on an
+# H200, then with four stages). The Triton kernels serve it on Hopper too: the Gluon backward ran
+# J3's in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query
 # tile height (and work list) with the table above. The forward loads its one key block by
 # pointers: through TMA J3's forward ran 0.103 ms against 0.112 on the device, but Triton
 # encodes each descriptor on the host at every launch, 127 us of host time per call against 96,
 # and an eager J3 call is host-bound (docs/performance.md, 2026-11-30, tenth session).
 # Its Triton dQ keeps two stages: with the three it inherited from the table above for a few
 # commits, J3's forward + backward took 337-340 us of device time, against 285 with two
-# (graph replays, 2026-12-01, fourteenth session).
+# (graph replays, 2026-12-01, fourteenth session). Its dK/dV kernel writes dQ (``dq_in_dkdv``)
+# on two stages: J3's forward + backward 285 -> 244 us (four stages: 276; the dQ kernel for
+# every sequence: 288), and an eager call issues one backward launch instead of three
+# (2026-12-01, fifteenth session).
 SHORT_KEYS = 64
 _GPU_CONFIGS_SHORT_KEYS = {
     hd: dataclasses.replace(cfg, dkdv_block_n=64, dq_in_dkdv=True)
     for hd, cfg in _GPU_CONFIGS.items()
 } | {
     128: dataclasses.replace(
-        _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4,
+        _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=2,
         dq_stages=2, fwd_tma=False, fwd_hopper=False, dkdv_hopper=False, dq_hopper=False,
         dq_in_dkdv=True,
     )
