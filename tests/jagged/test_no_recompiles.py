@@ -5,7 +5,8 @@ and its pointers' alignment. Token counts, sequence counts and work-list sizes c
 jagged batch; a kernel specialised on them compiled a fresh variant (hundreds of ms) on many
 steps of a training run. Each case below runs forward + backward on warm-up batches, then on
 fresh batches of other token and sequence counts (heavy-tailed lengths, every residue mod 16),
-and counts the compiled variants before and after.
+and counts the compiled variants before and after. On the CPU, a check of the kernels'
+signatures: every token-total argument is among the names left unspecialised.
 """
 
 import math
@@ -115,3 +116,30 @@ def test_the_split_dkdv_path_reuses_the_unsplit_kernel():
     _run("jfa self, causal, bias", giant, gen)
     torch.cuda.synchronize()
     assert dkdv_variants() == before, "the split dK/dV path compiled its own kernel variant"
+
+
+def test_token_totals_are_never_specialised():
+    """Every kernel argument holding a token total (``total_*``) is among the names that
+    ``gem_jagged._jit`` leaves unspecialised (CPU): an argument named otherwise, say
+    ``total_kv``, compiled a variant per residue of the batch's key count mod 16."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import gem_jagged
+    from gem_jagged._jit import BATCH_DEPENDENT
+
+    kernels = {}
+    for info in pkgutil.walk_packages(gem_jagged.__path__, "gem_jagged."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and callable(getattr(value, "fn", None)):
+                kernels[f"{info.name}.{name}"] = inspect.signature(value.fn).parameters
+    assert any(name.endswith("._jfa_dkdv_kernel") for name in kernels), sorted(kernels)
+    specialised = [
+        f"{name}({param})"
+        for name, params in kernels.items()
+        for param in params
+        if param.startswith("total") and param not in BATCH_DEPENDENT
+    ]
+    assert not specialised, specialised

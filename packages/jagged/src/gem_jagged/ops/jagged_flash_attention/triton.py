@@ -550,7 +550,7 @@ def _jfa_dkdv_kernel(
     q_TqNH, k_TkNH, v_TkNH, out_TqNH, do_TqNH, lse_NTq, delta_NTq, bias_tiles_NONM,
     dq_TqNH, dk_TkNH, dv_TkNH, scratch_F,
     q_offsets_Bp1, kv_offsets_Bp1, work_seq_W, work_start_W, work_lo_W, work_hi_W, work_splits_W,
-    num_heads, total_q, total_kv, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
+    num_heads, total_q, total_k, scale, qk_scale_log2, radius, bias_o_lo, bias_offsets,
     stride_q, stride_kv,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_STEP: tl.constexpr,
@@ -644,11 +644,11 @@ def _jfa_dkdv_kernel(
         # All of this program's adds are issued (barrier) before its arrival is counted
         # (release), and the sums are read after (acquire), from L2.
         dk_scratch = scratch_F + kv_offsets_NH
-        dv_scratch = dk_scratch + total_kv.to(tl.int64) * stride_o
+        dv_scratch = dk_scratch + total_k.to(tl.int64) * stride_o
         tl.atomic_add(dk_scratch, dk_NH, mask=col_ok_N[:, None], sem="relaxed")
         tl.atomic_add(dv_scratch, dv_NH, mask=col_ok_N[:, None], sem="relaxed")
         tl.debug_barrier()
-        arrivals = scratch_F + 2 * total_kv.to(tl.int64) * stride_o
+        arrivals = scratch_F + 2 * total_k.to(tl.int64) * stride_o
         arrivals = arrivals.to(tl.pointer_type(tl.int32), bitcast=True)
         arrived = tl.atomic_add(arrivals + (k_begin + k_start) * num_heads + head, 1, sem="acq_rel")
         if arrived == splits - 1:
