@@ -98,6 +98,8 @@ def check_offsets(
     (starts at 0, never decreases, ends at ``total``) are checked on CPU tensors always and on CUDA
     tensors unless ``validate_values=False`` or a graph is being captured or traced.
     """
+    if _already_checked(offsets, total) and offsets.device == device:
+        return  # passed every check below before, and unchanged since (cheap: per call)
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1:
@@ -110,7 +112,7 @@ def check_offsets(
         raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
     if validate_values is None:
         validate_values = not building_a_graph()
-    if not validate_values or _already_checked(offsets, total):
+    if not validate_values:
         return
     host = offsets.detach().to("cpu", torch.int64)
     if host[0].item() != 0:

@@ -853,7 +853,8 @@ def _rows_of_heads(q, k, v):
     share one row stride (else both are copied)."""
 
     def dense_heads(t):
-        return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+        _, heads_stride, dim_stride = t.stride()
+        return t if dim_stride == 1 and heads_stride == t.shape[2] else t.contiguous()
 
     q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
     if k.stride(0) != v.stride(0):
@@ -910,8 +911,8 @@ def jfa_forward(
         rel_bias=rel_bias is not None,
     )  # fmt: skip
     q, k, v = _rows_of_heads(q, k, v)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
     work = query_tiles(
         q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal,
         cache=cache_work,
