@@ -96,7 +96,8 @@ def check_offsets(
 
     Structure (1-D, integer dtype, at least one entry, right device) is always checked. Values
     (starts at 0, never decreases, ends at ``total``) are checked on CPU tensors always and on CUDA
-    tensors unless ``validate_values=False`` or a graph is being captured or traced.
+    tensors unless ``validate_values=False`` or a graph is being captured or traced. CUDA offsets
+    that passed both and have not changed since return at once (only their device is compared).
     """
     if _already_checked(offsets, total) and offsets.device == device:
         return  # passed every check below before, and unchanged since (cheap: per call)

@@ -1030,16 +1030,16 @@ def backward_dkdv(
     # arrival counter per (key row, head).
     kv_numel = k.numel()
     if max_splits > 1:
-        scratch = torch.zeros(2 * kv_numel + k.shape[0] * num_heads, dtype=torch.float32,
-                              device=k.device)  # fmt: skip
+        scratch_numel = 2 * kv_numel + k.shape[0] * num_heads
+        scratch = torch.zeros(scratch_numel, dtype=torch.float32, device=k.device)
     else:  # never written, but float32 like the real scratch: one compiled variant for both
         scratch = _unused_float32(k.device)
     grid = (kwork.num_slots * num_heads,)
     if on_hopper:
         dk_scratch = dv_scratch = scratch
         if max_splits > 1:
-            dk_scratch, dv_scratch = (scratch[i * kv_numel : (i + 1) * kv_numel].view(k.shape)
-                                      for i in range(2))  # fmt: skip
+            dk_scratch = scratch[:kv_numel].view(k.shape)
+            dv_scratch = scratch[kv_numel : 2 * kv_numel].view(k.shape)
         hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
