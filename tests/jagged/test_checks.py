@@ -40,6 +40,20 @@ def test_cuda_offsets_are_synced_once_and_rechecked_after_in_place_change():
         check_offsets("offsets", offsets, total=5, device=offsets.device)
 
 
+def test_remembered_offsets_trace_under_compile():
+    """Offsets remembered from an eager call (CUDA ones are; here a CPU tensor stands in) must
+    not make ``torch.compile`` read their version counter: a graph cannot guard on it."""
+    offsets = torch.tensor([0, 2, 5])
+    _checks._remember_checked(offsets, 5, (2, 3))
+
+    def fn(x):
+        check_offsets("offsets", offsets, total=5, device=x.device)
+        return x + 1
+
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(torch.zeros(5)), torch.ones(5))
+
+
 @pytest.mark.gpu
 def test_inference_mode_offsets_are_checked_every_call():
     with torch.inference_mode():

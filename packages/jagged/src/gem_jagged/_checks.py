@@ -99,8 +99,11 @@ def check_offsets(
     tensors unless ``validate_values=False`` or a graph is being captured or traced. CUDA offsets
     that passed both and have not changed since return at once (only their device is compared).
     """
-    if _already_checked(offsets, total) and offsets.device == device:
-        return  # passed every check below before, and unchanged since (cheap: per call)
+    # Passed every check below before, and unchanged since: return at once (cheap, per call).
+    # Not while tracing: a graph cannot guard on the version counter.
+    if not torch.compiler.is_compiling() and _already_checked(offsets, total):
+        if offsets.device == device:
+            return
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1:

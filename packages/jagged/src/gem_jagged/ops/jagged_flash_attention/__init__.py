@@ -31,7 +31,7 @@ from gem_jagged._checks import (
     resolve_backend,
 )
 
-from . import _op
+from . import _op, _plan
 
 __all__ = ["jagged_flash_attention"]
 
@@ -62,6 +62,16 @@ def jagged_flash_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention per jagged sequence; returns ``[Tq, N, H]`` (see the module docstring)."""
+    plan_key = _plan.key_of(
+        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
+        hints=(max_q_len, max_kv_len), backend=backend,
+    )  # fmt: skip
+    plan = _plan.lookup(plan_key, q_offsets, kv_offsets)
+    if plan is not None:  # an earlier call with this key passed every check below
+        kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+        return _op.eager_triton_attention(
+            q, k, v, q_offsets, kv_offsets, None, plan.causal, plan.scale, max_q_len, plan=plan
+        )
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_values(name, x)
     check_same([("q", q), ("k", k), ("v", v)])
@@ -104,8 +114,9 @@ def jagged_flash_attention(
         )
     if backend == "triton" and _op.eager_path_allowed(q, k, v, q_offsets, kv_offsets, rel_bias):
         return _op.eager_triton_attention(
-            q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len
-        )
+            q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len,
+            plan_key=plan_key,
+        )  # fmt: skip
     out, _, _ = _op.attention_forward(
         q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len, backend
     )

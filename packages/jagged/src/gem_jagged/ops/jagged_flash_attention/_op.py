@@ -26,7 +26,9 @@ tensors (a tensor subclass dispatches through the custom op).
 
 import torch
 
+from . import _plan
 from .reference import jagged_flash_attention_reference, jagged_flash_attention_reference_backward
+from .triton import forward_work_slots, jfa_backward, jfa_forward
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -47,8 +49,6 @@ def attention_forward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        from .triton import jfa_forward
-
         return jfa_forward(
             q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
         )
@@ -66,8 +66,6 @@ def _(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backen
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
     slots = 0
     if backend == "triton":
-        from .triton import forward_work_slots
-
         slots = forward_work_slots(q, k, q_offsets, rel_bias=rel_bias is not None)
     return out, lse, q.new_empty((5, slots), dtype=torch.int32)
 
@@ -90,8 +88,6 @@ def attention_backward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        from .triton import jfa_backward
-
         dq, dk, dv, dbias = jfa_backward(
             dout, q, k, v, out, lse, q_offsets, kv_offsets,
             causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
@@ -155,13 +151,13 @@ def eager_path_allowed(*tensors: torch.Tensor | None) -> bool:
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
-        from .triton import jfa_forward
-
+    def forward(
+        ctx, q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, plan, plan_key
+    ):
         ctx.descriptors = {}  # the forward's TMA descriptors, for the backward's launches
-        out, lse, work = jfa_forward(
-            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-            cache_work=True, descriptors=ctx.descriptors,
+        out, lse, work = eager_forward(
+            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, plan=plan,
+            plan_key=plan_key, descriptors=ctx.descriptors,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
         ctx.options = (causal, scale, max_q_len)
@@ -170,8 +166,6 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        from .triton import jfa_backward
-
         q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
         causal, scale, max_q_len = ctx.options
         dq, dk, dv, dbias = jfa_backward(
@@ -179,19 +173,43 @@ class _TritonAttention(torch.autograd.Function):
             rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work,
             descriptors=ctx.descriptors,
         )  # fmt: skip
-        return dq, dk, dv, None, None, dbias, None, None, None
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
 
-def eager_triton_attention(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
-    """The Triton forward (with autograd when a gradient is wanted) without the custom op."""
+def eager_forward(
+    q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, *, plan, plan_key, descriptors=None
+):  # fmt: skip
+    """``(out, lse, work)``: through ``plan`` (``_plan.ForwardPlan``) when one is given and it
+    launches; otherwise through ``jfa_forward``, recording a plan under ``plan_key`` (if not
+    None) when its launch allows one."""
+    if plan is not None:
+        result = plan.forward(q, k, v)
+        if result is not None:
+            return result
+    recorded = [] if plan_key is not None else None
+    out, lse, work = jfa_forward(
+        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
+        cache_work=True, descriptors=descriptors, record=recorded,
+    )  # fmt: skip
+    if recorded:
+        _plan.remember(
+            plan_key, recorded[0], out, lse, work, q_offsets, kv_offsets, causal=causal,
+            scale=scale,
+        )  # fmt: skip
+    return out, lse, work
+
+
+def eager_triton_attention(
+    q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, *, plan=None,
+    plan_key=None,
+):  # fmt: skip
+    """The Triton forward (with autograd when a gradient is wanted) without the custom op;
+    ``plan`` and ``plan_key`` as ``eager_forward`` takes them."""
     inputs = (q, k, v) if rel_bias is None else (q, k, v, rel_bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _TritonAttention.apply(
-            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len
+            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, plan, plan_key
         )
-    from .triton import jfa_forward
-
-    return jfa_forward(
-        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-        cache_work=True,
-    )[0]  # fmt: skip
+    return eager_forward(
+        q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, plan=plan, plan_key=plan_key
+    )[0]

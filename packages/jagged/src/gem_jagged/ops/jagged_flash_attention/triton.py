@@ -894,8 +894,9 @@ def _bias_tile_args(rel_bias, q, *, rows, cols, keys_on_rows):
 
 
 def jfa_forward(
-    q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False, descriptors=None
-):
+    q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False, descriptors=None,
+    record=None,
+):  # fmt: skip
     """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
 
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
@@ -904,12 +905,17 @@ def jfa_forward(
     eager path); an op that returns it to a compiler must return a fresh tensor, whose memory
     the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
     kernels' TMA descriptors for the backward's launches (``hopper._row_descriptor``).
+    ``record`` (a list, or None) receives a ``RecordedForward`` of the launch when it went
+    through the Triton kernel reading the caller's q, k and v in place, 16-byte aligned, with no
+    bias (what ``_plan`` can launch again).
     """
+    given = (q, k, v)
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
-        rel_bias=rel_bias is not None,
+    chosen_by = dict(
+        head_dim=head_dim, device=q.device, dtype=q.dtype,
+        keys_per_seq=mean_keys_per_sequence(k, q_offsets), rel_bias=rel_bias is not None,
     )  # fmt: skip
+    cfg = config_for(**chosen_by)
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
@@ -934,16 +940,42 @@ def jfa_forward(
     k_src, v_src = k, v
     if tma:
         k_src, v_src = (_row_descriptor(t, cfg.fwd_block_n) for t in (k, v))
-    _jfa_fwd_kernel[grid](
+    args = (
         q, k_src, v_src, out, lse, tiles, q_offsets, kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets, q.stride(0),
-        k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
-        CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-        DOT_PRECISION=_dot_precision(q.dtype), TMA=tma,
-        NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        k.stride(0),
     )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, CAUSAL=causal,
+        HAS_BIAS=rel_bias is not None, BIAS_STEP=step, DOT_PRECISION=_dot_precision(q.dtype),
+        TMA=tma, NUM_STAGES=cfg.fwd_stages,
+    )  # fmt: skip
+    compiled = _jfa_fwd_kernel[grid](
+        *args, **constexprs, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages
+    )
+    in_place = all(a is b for a, b in zip((q, k, v), given, strict=True)) and not tma
+    if record is not None and in_place and rel_bias is None and _aligned(q, k, v):
+        record.append(RecordedForward(compiled, grid, args, constexprs, cfg, chosen_by))
     return out, lse, work.packed_5W
+
+
+@dataclass(frozen=True)
+class RecordedForward:
+    """One launch of the forward kernel (``jfa_forward``'s ``record``): what ``kernel[grid]``
+    returned (the compiled kernel), the grid, the arguments, and the tile table entry ``cfg``
+    that ``config_for(**chosen_by)`` chose for them."""
+
+    compiled: object
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+    cfg: JaggedAttentionConfig
+    chosen_by: dict
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def mean_keys_per_sequence(k: torch.Tensor, q_offsets: torch.Tensor) -> float:

@@ -1,0 +1,272 @@
+"""Launch plans of eager jagged flash attention (``_plan``) and the direct launches they make
+(``gem_jagged._direct_launch``): a repeated call skips to its kernel, with the same bits, and
+anything that could make the recorded launch wrong sends the call down the ordinary path."""
+
+import dataclasses
+import gc
+import types
+
+import pytest
+import torch
+from gem_jagged import jagged_flash_attention
+from gem_jagged._direct_launch import DirectLaunch
+from gem_jagged.ops.jagged_flash_attention import _op, _plan
+from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+from gem_jagged.testing import offsets_from_lengths
+
+
+class _RecordingCompiled:
+    """Stands in for a compiled kernel: ``run`` records what the C launcher would get."""
+
+    def __init__(self):
+        self.calls = []
+        self.function = 1234
+        self.packed_metadata = (4, 1, 0)
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+def test_direct_launch_passes_every_argument_in_signature_order():
+    kernel = jfa_triton._jfa_fwd_kernel
+    names = kernel.arg_names
+    tensors = {n: torch.empty(4) for n in names[:11]}  # the pointer arguments
+    scalars = list(range(100, 100 + 8))  # num_heads ... stride_kv
+    args = (*tensors.values(), *scalars)
+    constexprs = {n: f"const-{n}" for n in names[len(args) :]}
+    compiled = _RecordingCompiled()
+    launch = DirectLaunch(kernel, compiled, (7,), args, constexprs, per_call=_plan.PER_CALL_ARGS)
+    launch(99, *range(1, 9))
+    (call,) = compiled.calls
+    assert call[:9] == (7, 1, 1, 99, 1234, (4, 1, 0), None, None, None)
+    sent = dict(zip(names, call[9:], strict=True))
+    for i, name in enumerate(_plan.PER_CALL_ARGS):
+        assert sent[name] == i + 1
+    for name, t in tensors.items():
+        if name not in _plan.PER_CALL_ARGS:
+            assert sent[name] == t.data_ptr()  # fixed pointers travel as integers
+    assert [sent[n] for n in names[11 : len(args)]] == scalars
+    assert all(sent[n] == v for n, v in constexprs.items())
+    with pytest.raises(ValueError, match="do not match"):
+        DirectLaunch(kernel, compiled, (7,), args, {}, per_call=_plan.PER_CALL_ARGS)
+
+
+def test_direct_launch_is_not_recorded_under_the_interpreter_or_a_launch_hook(monkeypatch):
+    kernel = jfa_triton._jfa_fwd_kernel
+    record = DirectLaunch.record
+    assert record(kernel, None, (1,), (), {}, per_call=()) is None  # interpreter: no kernel
+    monkeypatch.setattr("gem_jagged._direct_launch.KNOWN_TRITON", ("0.",))
+    assert record(kernel, _RecordingCompiled(), (1,), (), {}, per_call=()) is None
+    hooks = types.SimpleNamespace(launch_enter_hook=print, launch_exit_hook=None)
+    monkeypatch.setattr("gem_jagged._direct_launch.knobs", types.SimpleNamespace(runtime=hooks))
+    assert not DirectLaunch.available()
+
+
+def _key_args(**overrides):
+    q = torch.randn(6, 2, 32)
+    offsets = offsets_from_lengths([2, 4])
+    call = dict(
+        q=q, k=q, v=q, q_offsets=offsets, kv_offsets=None, causal=False, scale=None,
+        rel_bias=None, hints=(None, None), backend="auto",
+    )  # fmt: skip
+    return call | overrides
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # CPU tensors: the reference runs, no plan
+        {"q": [[1.0]]},  # not a tensor: the checks name it, key_of must not raise first
+        {"q_offsets": "0,2,6"},
+        {"rel_bias": torch.zeros(2, 3)},
+        {"hints": (True, None)},
+    ],
+)
+def test_key_of_declines_where_plans_do_not_apply(overrides):
+    args = _key_args(**overrides)
+    q, k, v, q_offsets, kv_offsets = (
+        args.pop(n) for n in ("q", "k", "v", "q_offsets", "kv_offsets")
+    )
+    assert _plan.key_of(q, k, v, q_offsets, kv_offsets, **args) is None
+
+
+def _remember_a_plan(monkeypatch, key, q_off, kv_off):
+    """A plan recorded as ``eager_forward`` records one, its launch a placeholder."""
+    monkeypatch.setattr(DirectLaunch, "record", classmethod(lambda cls, *a, **kw: "launch"))
+    chosen_by = dict(head_dim=32, device=torch.device("cpu"), dtype=torch.float32)
+    recorded = jfa_triton.RecordedForward(
+        compiled=None, grid=(1,), args=(), constexprs={}, cfg=jfa_triton.config_for(**chosen_by),
+        chosen_by=chosen_by,
+    )  # fmt: skip
+    out, lse = torch.empty(6, 2, 32), torch.empty(2, 6)
+    work = torch.empty(5, 16, dtype=torch.int32)
+    _plan.remember(key, recorded, out, lse, work, q_off, kv_off, causal=True, scale=0.5)
+
+
+def test_plan_serves_its_offsets_until_they_change_or_die(monkeypatch):
+    """A plan answers only for the very offsets it recorded, at their recorded version, while
+    the tile tables choose the recorded entry; it is dropped when its offsets die (a key holds
+    only their ids, which Python reuses)."""
+    _plan.forget_all()
+    q_off = offsets_from_lengths([2, 4])
+    kv_off = offsets_from_lengths([3, 3])
+    key = ("key", 0)
+    _remember_a_plan(monkeypatch, key, q_off, kv_off)
+    plan = _plan.lookup(key, q_off, kv_off)
+    assert plan is not None and (plan.causal, plan.scale, plan.stream) == (True, 0.5, 0)
+    assert plan.out_shape == (6, 2, 32) and plan.lse_shape == (2, 6)
+    assert _plan.lookup(key, q_off, q_off) is None  # other key offsets
+    assert _plan.lookup(key, offsets_from_lengths([2, 4]), kv_off) is None  # equal, not the same
+    with monkeypatch.context() as m:  # a tuning sweep replaces a table entry
+        m.setattr(jfa_triton, "_INTERPRETER_CONFIG", dataclasses.replace(plan.cfg))
+        assert _plan.lookup(key, q_off, kv_off) is None
+    assert _plan.lookup(key, q_off, kv_off) is plan
+    kv_off.add_(0)  # an in-place change: a new version
+    assert _plan.lookup(key, q_off, kv_off) is None
+    del q_off
+    gc.collect()
+    assert key not in _plan._PLANS
+
+
+def test_plan_forward_launches_with_the_call_pointers():
+    """``ForwardPlan.forward`` allocates the outputs and hands the launch q, k, v, out, lse, q
+    (standing in for the bias tiles) and the offsets, in ``PER_CALL_ARGS`` order; it launches
+    nothing for a pointer that is not 16-byte aligned."""
+    q_off, kv_off = offsets_from_lengths([2, 4]), offsets_from_lengths([3, 3])
+    sent = []
+    work = torch.empty(5, 16, dtype=torch.int32)
+    plan = _plan.ForwardPlan(
+        launch=lambda stream, *pointers: sent.append((stream, pointers)), cfg=None, chosen_by={},
+        work_5W=work, out_shape=(6, 2, 32), lse_shape=(2, 6), stream=5, causal=False, scale=1.0,
+        q_offsets=lambda: q_off, kv_offsets=lambda: kv_off, versions=(0, 0),
+    )  # fmt: skip
+    q, k, v = (torch.randn(6, 2, 32) for _ in range(3))
+    out, lse, got_work = plan.forward(q, k, v)
+    assert out.shape == (6, 2, 32) and lse.shape == (2, 6) and lse.dtype == torch.float32
+    assert got_work is work
+    ((stream, pointers),) = sent
+    want = (q, k, v, out, lse, q, q_off, kv_off)
+    assert stream == 5 and pointers == tuple(t.data_ptr() for t in want)
+    misaligned = torch.randn(6 * 64 + 1)[1:].view(6, 2, 32)
+    assert plan.forward(misaligned, k, v) is None and len(sent) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# On the GPU: the recorded launches themselves
+# ------------------------------------------------------------------------------------------------
+
+
+def _cuda_case(lq, lk, *, head_dim, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(t):
+        return torch.randn(t, 2, head_dim, device="cuda", dtype=dtype, generator=gen)
+
+    q_off = offsets_from_lengths(lq, device="cuda")
+    kv_off = offsets_from_lengths(lk, device="cuda")
+    return rand(sum(lq)), rand(sum(lk)), rand(sum(lk)), rand(sum(lq)), q_off, kv_off
+
+
+def _no_ordinary_forward(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the call went down the ordinary path")
+
+    monkeypatch.setattr(_op, "jfa_forward", fail)
+
+
+# J3's shape (64 candidate keys, head dim 128) and causal self-attention at head dim 64: both
+# forwards are the Triton kernel reading q, k and v by pointers.
+GPU_CASES = [
+    dict(lq=[1, 70, 0, 33, 64], lk=[64] * 5, head_dim=128, causal=False),
+    dict(lq=[90, 0, 1, 200], lk=[90, 0, 1, 200], head_dim=64, causal=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_a_planned_call_equals_the_ordinary_one(monkeypatch, case):
+    _plan.forget_all()
+    q, k, v, do, q_off, kv_off = _cuda_case(case["lq"], case["lk"], head_dim=case["head_dim"])
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = jagged_flash_attention(*leaves, q_off, kv_off, causal=case["causal"])
+        return (out.detach(), *torch.autograd.grad(out, leaves, do))
+
+    ordinary = step()
+    with torch.no_grad():
+        ordinary_forward = jagged_flash_attention(q, k, v, q_off, kv_off, causal=case["causal"])
+    assert len(_plan._PLANS) == 1
+    _no_ordinary_forward(monkeypatch)
+    planned = step()
+    with torch.no_grad():
+        planned_forward = jagged_flash_attention(q, k, v, q_off, kv_off, causal=case["causal"])
+    for got, want in zip((*planned, planned_forward), (*ordinary, ordinary_forward), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_changed_in_place_are_checked_and_planned_again(monkeypatch):
+    _plan.forget_all()
+    q, k, v, _, q_off, kv_off = _cuda_case([5, 60, 0, 30], [64] * 4, head_dim=128)
+    with torch.no_grad():
+        jagged_flash_attention(q, k, v, q_off, kv_off)
+        q_off.copy_(offsets_from_lengths([60, 5, 30, 0], device="cuda"))  # same total
+        moved = jagged_flash_attention(q, k, v, q_off, kv_off)
+        fresh = jagged_flash_attention(q, k, v, q_off.clone(), kv_off)
+        torch.testing.assert_close(moved, fresh, atol=0, rtol=0)
+        q_off.copy_(offsets_from_lengths([60, 35, -5, 5], device="cuda"))
+        with pytest.raises(ValueError, match="non-decreasing"):
+            jagged_flash_attention(q, k, v, q_off, kv_off)
+
+
+@pytest.mark.gpu
+def test_gpu_a_changed_argument_is_checked_not_planned():
+    """Each of these differs from a planned call in one argument the checks reject."""
+    _plan.forget_all()
+    q, k, v, _, q_off, kv_off = _cuda_case([5, 60], [64, 64], head_dim=128)
+    with torch.no_grad():
+        jagged_flash_attention(q, k, v, q_off, kv_off)
+        assert len(_plan._PLANS) == 1
+        with pytest.raises(TypeError, match="k has dtype"):
+            jagged_flash_attention(q, k.half(), v, q_off, kv_off)
+        with pytest.raises(ValueError, match="max_q_len"):
+            jagged_flash_attention(q, k, v, q_off, kv_off, max_q_len=-1)
+        with pytest.raises(ValueError, match="scale"):
+            jagged_flash_attention(q, k, v, q_off, kv_off, scale=float("nan"))
+        with pytest.raises(ValueError, match="kv_offsets is on cpu"):
+            jagged_flash_attention(q, k, v, q_off, kv_off.cpu())
+        with pytest.raises(ValueError, match="head dim"):
+            jagged_flash_attention(q[..., :48], k[..., :48], v[..., :48], q_off, kv_off)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_views_a_launch_hook_and_another_stream_take_the_ordinary_path():
+    """A view of the same shape and strides (the same key) starting 2 bytes in; a profiler's
+    launch hook, which must see every launch; another stream, which is another key."""
+    from triton import knobs
+
+    _plan.forget_all()
+    q, k, v, _, q_off, kv_off = _cuda_case([5, 60, 17], [64] * 3, head_dim=128)
+    with torch.no_grad():
+        want = jagged_flash_attention(q, k, v, q_off, kv_off)
+        storage = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+        shifted = storage[1:].view(q.shape)
+        shifted.copy_(q)
+        torch.testing.assert_close(jagged_flash_attention(shifted, k, v, q_off, kv_off), want)
+
+        launches = []
+        knobs.runtime.launch_enter_hook.add(launches.append)
+        try:
+            torch.testing.assert_close(jagged_flash_attention(q, k, v, q_off, kv_off), want)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(launches.append)
+        assert launches  # the hook saw the forward's launch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            other = jagged_flash_attention(q, k, v, q_off, kv_off)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.testing.assert_close(other, want, atol=0, rtol=0)
+    assert len(_plan._PLANS) == 2  # one per stream
