@@ -816,21 +816,21 @@ def test_hopper_kernels_take_only_rows_16_byte_copies_can_tile():
 
 def test_hopper_descriptor_memo_hands_back_only_what_describes_the_same_rows():
     """An eager forward makes K's and V's TMA descriptors once for its backward's dQ launch
-    (``hopper._row_descriptor`` with a memo); a descriptor is reused only for the same memory,
+    (``hopper.row_descriptor`` with a memo); a descriptor is reused only for the same memory,
     shape, strides, dtype and block height."""
     k = torch.zeros(256, 2, 128, dtype=torch.bfloat16)
     memo = {}
-    first = hopper._row_descriptor(k, 64, memo)
-    assert hopper._row_descriptor(k, 64, memo) is first
-    assert hopper._row_descriptor(k.view(256, 2, 128), 64, memo) is first  # same rows
+    first = hopper.row_descriptor(k, 64, memo)
+    assert hopper.row_descriptor(k, 64, memo) is first
+    assert hopper.row_descriptor(k.view(256, 2, 128), 64, memo) is first  # same rows
     assert first.block_shape == [64, 128] and first.shape == [256, 256]
     others = [
-        hopper._row_descriptor(k, 32, memo),  # another block height
-        hopper._row_descriptor(k[64:], 64, memo),  # other memory
-        hopper._row_descriptor(k[:128], 64, memo),  # same start, fewer rows
-        hopper._row_descriptor(torch.zeros_like(k), 64, memo),
-        hopper._row_descriptor(k.view(torch.float16), 64, memo),  # another dtype
-        hopper._row_descriptor(k, 64, None),  # no memo: always a new one
+        hopper.row_descriptor(k, 32, memo),  # another block height
+        hopper.row_descriptor(k[64:], 64, memo),  # other memory
+        hopper.row_descriptor(k[:128], 64, memo),  # same start, fewer rows
+        hopper.row_descriptor(torch.zeros_like(k), 64, memo),
+        hopper.row_descriptor(k.view(torch.float16), 64, memo),  # another dtype
+        hopper.row_descriptor(k, 64, None),  # no memo: always a new one
     ]
     assert all(d is not first for d in others)
     assert len({id(d) for d in others}) == len(others)

@@ -93,10 +93,10 @@ def test_key_of_declines_where_plans_do_not_apply(overrides):
 def _remember_a_plan(monkeypatch, key, q_off, kv_off):
     """A plan recorded as ``eager_forward`` records one, its launch a placeholder."""
     monkeypatch.setattr(DirectLaunch, "record", classmethod(lambda cls, *a, **kw: "launch"))
-    chosen_by = dict(head_dim=32, device=torch.device("cpu"), dtype=torch.float32)
+    chosen_by = (32, torch.device("cpu"), torch.float32, 3.0, False)
     recorded = jfa_triton.RecordedForward(
-        compiled=None, grid=(1,), args=(), constexprs={}, cfg=jfa_triton.config_for(**chosen_by),
-        chosen_by=chosen_by,
+        kernel=jfa_triton._jfa_fwd_kernel, compiled=None, grid=(1,), args=(), constexprs={},
+        cfg=jfa_triton.config_chosen_by(chosen_by), chosen_by=chosen_by,
     )  # fmt: skip
     out, lse = torch.empty(6, 2, 32), torch.empty(2, 6)
     work = torch.empty(5, 16, dtype=torch.int32)
@@ -129,14 +129,15 @@ def test_plan_serves_its_offsets_until_they_change_or_die(monkeypatch):
 
 
 def test_plan_forward_launches_with_the_call_pointers():
-    """``ForwardPlan.forward`` allocates the outputs and hands the launch q, k, v, out, lse, q
-    (standing in for the bias tiles) and the offsets, in ``PER_CALL_ARGS`` order; it launches
-    nothing for a pointer that is not 16-byte aligned."""
+    """``ForwardPlan.forward`` allocates the outputs and hands the launch q, k, v, out, lse,
+    the offsets and q (standing in for the bias tiles), in ``PER_CALL_ARGS`` order; it
+    launches nothing for a pointer that is not 16-byte aligned."""
     q_off, kv_off = offsets_from_lengths([2, 4]), offsets_from_lengths([3, 3])
     sent = []
     work = torch.empty(5, 16, dtype=torch.int32)
     plan = _plan.ForwardPlan(
-        launch=lambda stream, *pointers: sent.append((stream, pointers)), cfg=None, chosen_by={},
+        launch=lambda stream, *pointers: sent.append((stream, pointers)), cfg=None, chosen_by=(),
+        descriptor_rows=None,
         work_5W=work, out_shape=(6, 2, 32), lse_shape=(2, 6), stream=5, causal=False, scale=1.0,
         q_offsets=lambda: q_off, kv_offsets=lambda: kv_off, versions=(0, 0),
     )  # fmt: skip
@@ -145,7 +146,8 @@ def test_plan_forward_launches_with_the_call_pointers():
     assert out.shape == (6, 2, 32) and lse.shape == (2, 6) and lse.dtype == torch.float32
     assert got_work is work
     ((stream, pointers),) = sent
-    want = (q, k, v, out, lse, q, q_off, kv_off)
+    want = (q, k, v, out, lse, q_off, kv_off, q)
+    assert len(want) == len(_plan.PER_CALL_ARGS)
     assert stream == 5 and pointers == tuple(t.data_ptr() for t in want)
     misaligned = torch.randn(6 * 64 + 1)[1:].view(6, 2, 32)
     assert plan.forward(misaligned, k, v) is None and len(sent) == 1
@@ -174,11 +176,13 @@ def _no_ordinary_forward(monkeypatch):
     monkeypatch.setattr(_op, "jfa_forward", fail)
 
 
-# J3's shape (64 candidate keys, head dim 128) and causal self-attention at head dim 64: both
-# forwards are the Triton kernel reading q, k and v by pointers.
+# J3's shape (64 candidate keys, head dim 128) and causal self-attention at head dim 64 take the
+# Triton forward by pointers; causal self-attention over longer histories at head dim 128 the
+# Gluon forward on Hopper (K and V through descriptors made per call).
 GPU_CASES = [
-    dict(lq=[1, 70, 0, 33, 64], lk=[64] * 5, head_dim=128, causal=False),
-    dict(lq=[90, 0, 1, 200], lk=[90, 0, 1, 200], head_dim=64, causal=True),
+    dict(lq=[1, 70, 0, 33, 64], lk=[64] * 5, head_dim=128, causal=False, gluon=False),
+    dict(lq=[90, 0, 1, 200], lk=[90, 0, 1, 200], head_dim=64, causal=True, gluon=False),
+    dict(lq=[300, 0, 1, 700, 65], lk=[300, 0, 1, 700, 65], head_dim=128, causal=True, gluon=True),
 ]
 
 
@@ -196,7 +200,9 @@ def test_gpu_a_planned_call_equals_the_ordinary_one(monkeypatch, case):
     ordinary = step()
     with torch.no_grad():
         ordinary_forward = jagged_flash_attention(q, k, v, q_off, kv_off, causal=case["causal"])
-    assert len(_plan._PLANS) == 1
+    (plan,) = _plan._PLANS.values()
+    on_hopper = torch.cuda.get_device_capability()[0] == 9
+    assert (plan.descriptor_rows is not None) == (case["gluon"] and on_hopper)
     _no_ordinary_forward(monkeypatch)
     planned = step()
     with torch.no_grad():

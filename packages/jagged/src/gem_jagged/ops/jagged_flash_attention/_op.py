@@ -183,7 +183,7 @@ def eager_forward(
     launches; otherwise through ``jfa_forward``, recording a plan under ``plan_key`` (if not
     None) when its launch allows one."""
     if plan is not None:
-        result = plan.forward(q, k, v)
+        result = plan.forward(q, k, v, descriptors)
         if result is not None:
             return result
     recorded = [] if plan_key is not None else None

@@ -18,11 +18,12 @@ passed their value check when first seen, and an in-place change bumps their ver
 sends the call down the ordinary path (that records the plan again).
 
 Plans are made only where the eager fast path runs (``_op.eager_path_allowed``), outside
-CUDA-graph capture and inference mode, without a relative bias, for the Triton forward kernel
-reading the caller's q, k and v in place, 16-byte aligned (``jfa_forward``'s ``record``): not
-for the Gluon kernels, whose TMA descriptors take every pointer at each launch. A plan is used
-only with q, k and v 16-byte aligned and no launch hook installed; it is forgotten when an
-offsets tensor it serves dies.
+CUDA-graph capture and inference mode, without a relative bias, for a forward kernel reading
+the caller's q, k and v in place, 16-byte aligned (``jfa_forward``'s ``record``): the Triton
+kernel by pointers, or the Gluon kernel (Hopper), whose K and V descriptors are made again at
+each call for the new pointers (and shared with the backward pass as ``jfa_forward`` shares
+them). A plan is used only with q, k and v 16-byte aligned and no launch hook installed; it is
+forgotten when an offsets tensor it serves dies.
 """
 
 import dataclasses
@@ -33,6 +34,7 @@ import torch
 from gem_jagged._checks import capturing_cuda_graph
 from gem_jagged._direct_launch import DirectLaunch
 
+from . import hopper
 from . import triton as kernels
 
 __all__ = ["ForwardPlan", "key_of", "lookup", "remember", "forget_all"]
@@ -40,11 +42,15 @@ __all__ = ["ForwardPlan", "key_of", "lookup", "remember", "forget_all"]
 # key -> plan
 _PLANS: dict[tuple, "ForwardPlan"] = {}
 
-# The forward kernel's arguments that change from call to call, in ``ForwardPlan``'s order. The
-# bias tiles are ``q`` standing in (never read) for a plan's bias-free launch.
+# The forward kernels' arguments that change from call to call, in ``ForwardPlan``'s order: by
+# pointers (the Triton kernel; its bias tiles are ``q`` standing in, never read, for a bias-free
+# launch), or K and V through descriptors made per call (the Gluon kernel).
 PER_CALL_ARGS = (
-    "q_TqNH", "k_TkNH", "v_TkNH", "out_TqNH", "lse_NTq", "bias_tiles_NOMN",
-    "q_offsets_Bp1", "kv_offsets_Bp1",
+    "q_TqNH", "k_TkNH", "v_TkNH", "out_TqNH", "lse_NTq", "q_offsets_Bp1", "kv_offsets_Bp1",
+    "bias_tiles_NOMN",
+)  # fmt: skip
+PER_CALL_ARGS_DESCRIPTORS = (
+    "q_TqNH", "k_desc", "v_desc", "out_TqNH", "lse_NTq", "q_offsets_Bp1", "kv_offsets_Bp1",
 )  # fmt: skip
 
 
@@ -52,12 +58,13 @@ PER_CALL_ARGS = (
 class ForwardPlan:
     """What an eager forward with one key needs beyond its pointers (see the module docstring).
     ``causal`` and ``scale`` are the call's options normalised (the backward pass reads them);
-    ``cfg`` is the tile table entry the launch used, which ``config_for(**chosen_by)`` must
+    ``cfg`` is the tile table entry the launch used, which ``config_chosen_by(chosen_by)`` must
     still hand back (a tuning sweep or a test may change the tables)."""
 
     launch: DirectLaunch
     cfg: kernels.JaggedAttentionConfig
-    chosen_by: dict
+    chosen_by: tuple
+    descriptor_rows: int | None  # None: by pointers; else K/V descriptors of blocks this tall
     work_5W: torch.Tensor
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, int]
@@ -75,20 +82,29 @@ class ForwardPlan:
             self.q_offsets() is q_offsets
             and self.kv_offsets() is kv_offsets
             and self.versions == (q_offsets._version, kv_offsets._version)
-            and kernels.config_for(**self.chosen_by) is self.cfg
+            and kernels.config_chosen_by(self.chosen_by) is self.cfg
         )
 
-    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(out, lse, work)`` as ``jfa_forward`` returns them; None (nothing launched) when
-        q, k or v is not 16-byte aligned or a launch hook is installed."""
+    def forward(self, q, k, v, descriptors=None):
+        """``(out, lse, work)`` as ``jfa_forward`` returns them (``descriptors``: its memo of
+        TMA descriptors); None (nothing launched) when q, k or v is not 16-byte aligned or a
+        launch hook is installed."""
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15 or not DirectLaunch.available():
             return None
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        offsets = (self.q_offsets().data_ptr(), self.kv_offsets().data_ptr())
+        if self.descriptor_rows is None:
+            k_arg, v_arg, bias_tiles = k_ptr, v_ptr, (q_ptr,)
+        else:
+            rows = self.descriptor_rows
+            k_arg = hopper.row_descriptor(k, rows, descriptors)
+            v_arg = hopper.row_descriptor(v, rows, descriptors)
+            bias_tiles = ()
         self.launch(
-            self.stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), q_ptr,
-            self.q_offsets().data_ptr(), self.kv_offsets().data_ptr(),
+            self.stream, q_ptr, k_arg, v_arg, out.data_ptr(), lse.data_ptr(), *offsets,
+            *bias_tiles,
         )  # fmt: skip
         return out, lse, self.work_5W
 
@@ -131,9 +147,10 @@ def remember(key, recorded, out, lse, work_5W, q_offsets, kv_offsets, *, causal,
     (``kernels.RecordedForward``)."""
     if torch.is_inference_mode_enabled():  # its work list would be an inference tensor
         return
+    per_call = PER_CALL_ARGS if recorded.descriptor_rows is None else PER_CALL_ARGS_DESCRIPTORS
     launch = DirectLaunch.record(
-        kernels._jfa_fwd_kernel, recorded.compiled, recorded.grid, recorded.args,
-        recorded.constexprs, per_call=PER_CALL_ARGS,
+        recorded.kernel, recorded.compiled, recorded.grid, recorded.args, recorded.constexprs,
+        per_call=per_call,
     )  # fmt: skip
     if launch is None:
         return
@@ -145,6 +162,7 @@ def remember(key, recorded, out, lse, work_5W, q_offsets, kv_offsets, *, causal,
         launch=launch,
         cfg=recorded.cfg,
         chosen_by=recorded.chosen_by,
+        descriptor_rows=recorded.descriptor_rows,
         work_5W=work_5W,
         out_shape=tuple(out.shape),
         lse_shape=tuple(lse.shape),

@@ -226,6 +226,12 @@ def config_for(
     return config_table(short_keys=short_keys, rel_bias=rel_bias)[head_dim]
 
 
+def config_chosen_by(chosen_by: tuple) -> JaggedAttentionConfig:
+    """``config_for`` of ``(head_dim, device, dtype, keys_per_seq, rel_bias)``."""
+    head_dim, device, dtype, keys_per_seq, rel_bias = chosen_by
+    return config_for(head_dim, device, dtype, keys_per_seq=keys_per_seq, rel_bias=rel_bias)
+
+
 _SM_COUNTS: dict[int, int] = {}
 
 
@@ -905,17 +911,20 @@ def jfa_forward(
     eager path); an op that returns it to a compiler must return a fresh tensor, whose memory
     the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
     kernels' TMA descriptors for the backward's launches (``hopper._row_descriptor``).
-    ``record`` (a list, or None) receives a ``RecordedForward`` of the launch when it went
-    through the Triton kernel reading the caller's q, k and v in place, 16-byte aligned, with no
-    bias (what ``_plan`` can launch again).
+    ``record`` (a list, or None) receives a ``RecordedForward`` of the launch when the kernel
+    read the caller's q, k and v in place, 16-byte aligned, with no bias, by pointers or (the
+    Gluon kernel) through descriptors made at the launch (what ``_plan`` can launch again).
     """
     given = (q, k, v)
     total_q, num_heads, head_dim = q.shape
-    chosen_by = dict(
-        head_dim=head_dim, device=q.device, dtype=q.dtype,
-        keys_per_seq=mean_keys_per_sequence(k, q_offsets), rel_bias=rel_bias is not None,
-    )  # fmt: skip
-    cfg = config_for(**chosen_by)
+    chosen_by = (
+        head_dim,
+        q.device,
+        q.dtype,
+        mean_keys_per_sequence(k, q_offsets),
+        rel_bias is not None,
+    )
+    cfg = config_chosen_by(chosen_by)
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
@@ -927,14 +936,28 @@ def jfa_forward(
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
     grid = (work.num_slots * num_heads,)
+    plannable = (
+        record is not None
+        and rel_bias is None
+        and all(a is b for a, b in zip((q, k, v), given, strict=True))
+        and _aligned(q, k, v)
+    )
     if cfg.fwd_hopper and hopper.supported(
         q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
     ):
+        launched = [] if plannable else None
         hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
             block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_stages, descriptors=descriptors,
+            num_stages=cfg.fwd_stages, descriptors=descriptors, record=launched,
         )  # fmt: skip
+        if launched:
+            kernel, compiled, args, constexprs = launched[0]
+            record.append(
+                RecordedForward(
+                    kernel, compiled, grid, args, constexprs, cfg, chosen_by, cfg.fwd_block_n
+                )
+            )
         return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
     k_src, v_src = k, v
@@ -954,24 +977,29 @@ def jfa_forward(
     compiled = _jfa_fwd_kernel[grid](
         *args, **constexprs, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages
     )
-    in_place = all(a is b for a, b in zip((q, k, v), given, strict=True)) and not tma
-    if record is not None and in_place and rel_bias is None and _aligned(q, k, v):
-        record.append(RecordedForward(compiled, grid, args, constexprs, cfg, chosen_by))
+    if plannable and not tma:
+        record.append(
+            RecordedForward(_jfa_fwd_kernel, compiled, grid, args, constexprs, cfg, chosen_by)
+        )
     return out, lse, work.packed_5W
 
 
 @dataclass(frozen=True)
 class RecordedForward:
-    """One launch of the forward kernel (``jfa_forward``'s ``record``): what ``kernel[grid]``
-    returned (the compiled kernel), the grid, the arguments, and the tile table entry ``cfg``
-    that ``config_for(**chosen_by)`` chose for them."""
+    """One launch of a forward kernel (``jfa_forward``'s ``record``): the kernel, what
+    ``kernel[grid]`` returned (the compiled kernel), the grid, the arguments, the tile table
+    entry ``cfg`` that ``config_chosen_by(chosen_by)`` chose, and for the Gluon kernel the
+    height of the blocks its K and V descriptors describe (None: the Triton kernel, by
+    pointers)."""
 
+    kernel: object
     compiled: object
     grid: tuple[int, ...]
     args: tuple
     constexprs: dict
     cfg: JaggedAttentionConfig
-    chosen_by: dict
+    chosen_by: tuple
+    descriptor_rows: int | None = None
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

@@ -148,7 +148,7 @@ def _block_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMAShare
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-def _row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescriptor:
+def row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescriptor:
     """A descriptor of ``t [T, N, H]`` as ``[T, N·H]``, blocks of ``rows`` rows × one head.
 
     ``memo`` (a dict, or None) hands back the descriptor made before for the same memory,
@@ -172,19 +172,25 @@ def _row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDesc
 
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None, record=None,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out contiguous). ``descriptors``: a memo of TMA descriptors (a dict) shared
-    with the backward's launches, or None."""
+    with the backward's launches, or None. ``record`` (a list, or None) receives
+    ``(kernel, compiled kernel, args, constexprs)``."""
     total_q, num_heads, head_dim = q.shape
-    _jfa_fwd_hopper_kernel[grid](
-        q, _row_descriptor(k, block_n, descriptors), _row_descriptor(v, block_n, descriptors),
+    args = (
+        q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
         out, lse, q_offsets, kv_offsets, work.packed_5W,
         num_heads, total_q, scale * LOG2E.value, q.stride(0),
+    )  # fmt: skip
+    constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
+    compiled = _jfa_fwd_hopper_kernel[grid](*args, **constexprs)
+    if record is not None:
+        record.append((_jfa_fwd_hopper_kernel, compiled, args, constexprs))
 
 
 def launch_dq(
@@ -195,7 +201,7 @@ def launch_dq(
     leaves them; out and dout contiguous); it fills ``delta`` as well."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dq_hopper_kernel[grid](
-        q, _row_descriptor(k, block_n, descriptors), _row_descriptor(v, block_n, descriptors),
+        q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
         out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork.packed_5W,
         num_heads, total_q, scale, scale * LOG2E.value, q.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
@@ -211,7 +217,7 @@ def launch_dkdv(
     leaves them; dout contiguous)."""
     total_q, num_heads, head_dim = q.shape
     _jfa_dkdv_hopper_kernel[grid](
-        _row_descriptor(q, block_m, descriptors), k, v, _row_descriptor(dout, block_m, descriptors),
+        row_descriptor(q, block_m, descriptors), k, v, row_descriptor(dout, block_m, descriptors),
         lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork.packed_5W,
         num_heads, total_q, scale, scale * LOG2E.value, k.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
