@@ -31,9 +31,11 @@ each beside its largest deviation from the default configuration's output and gr
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
 waiting for the device (a loop of calls, no synchronisation), for the public function (with
 the forward's K/V through TMA descriptors, which Triton encodes on the host per launch, and by
-pointers) and for the custom op with its work lists rebuilt on every call (how eager calls ran
-before the eager fast path and the work-list cache), beside the step's device time (graph
-replay). A step whose host time exceeds its device time is host-bound when called eagerly.
+pointers; and with its launch plans off, every call checked and launched the ordinary way) and
+for the custom op with its work lists rebuilt on every call (how eager calls ran before the
+eager fast path and the work-list cache), beside the step's device time (graph replay). A step
+whose host time exceeds its device time is host-bound when called eagerly. (The Triton forward
+through TMA descriptors is never planned, so its column times the ordinary path.)
 """
 
 import argparse
@@ -248,6 +250,27 @@ def forward_tma(w: Workload, enabled: bool):
         table[HEAD_DIM] = base
 
 
+@contextlib.contextmanager
+def launch_plans(enabled: bool):
+    """Run calls with the eager launch plans (``jagged_flash_attention._plan``: a repeated
+    call goes straight to its kernel) or without (every call the ordinary way)."""
+    from gem_jagged.ops.jagged_flash_attention import _plan
+
+    key_of = _plan.key_of
+    if not enabled:
+        _plan.key_of = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _plan.key_of = key_of
+
+
+def host_us_without_plans(step, rounds: int = 3) -> float:
+    """Host us per step with the launch plans off: the least of ``rounds`` measurements."""
+    with launch_plans(False):
+        return min(host_us(step) for _ in range(rounds))
+
+
 def host_us_by_forward_loads(w: Workload, step, rounds: int = 3) -> tuple[float, float]:
     """Host us per step with the forward's K/V through TMA descriptors and by pointers: the
     least of ``rounds`` alternating measurements each (a descriptor is encoded per launch)."""
@@ -261,7 +284,8 @@ def host_us_by_forward_loads(w: Workload, step, rounds: int = 3) -> tuple[float,
 
 def run_host_cost(dtype, only=()) -> None:
     """Host cost per call against device time, this version (the forward's K/V through TMA
-    descriptors and by pointers) and the custom op rebuilding lists; without a relative bias."""
+    descriptors and by pointers; without launch plans) and the custom op rebuilding lists;
+    without a relative bias."""
     from gem_jagged import _worklist
 
     rows = []
@@ -286,6 +310,7 @@ def run_host_cost(dtype, only=()) -> None:
             rows.append(
                 [w.name, "fwd+bwd" if backward else "fwd",
                  *host_us_by_forward_loads(w, _step(public, q, k, v, do, backward)),
+                 host_us_without_plans(_step(public, q, k, v, do, backward)),
                  host_us(_step(custom_op, q, k, v, do, backward)),
                  device_ms * 1e3, eager_ms * 1e3]
             )  # fmt: skip
@@ -293,7 +318,8 @@ def run_host_cost(dtype, only=()) -> None:
         "host cost per call (CPU us to issue one step, no sync) against device time; no "
         "relative bias, whatever --rel-bias says",
         ["workload", "pass", "host us (public fn, fwd TMA)", "host us (public fn, fwd pointers)",
-         "host us (custom op, lists rebuilt)", "device us (graph replay)",
+         "host us (public fn, no launch plans)", "host us (custom op, lists rebuilt)",
+         "device us (graph replay)",
          "eager us (median, synced)"],
         rows,
     )  # fmt: skip
