@@ -1,7 +1,8 @@
 """Launch plans: an eager call that repeats an earlier call's setting goes straight to its kernel.
 
-An eager forward of a small batch is host-bound. On an H200 host, J3's forward (4,096 histories
-attending to 64 candidates each) took 69 µs to issue against a 76 µs kernel: 11 µs checking the
+An eager forward of a small batch is host-bound. On an H200 host, J3's forward (64 histories,
+52.5K query tokens, attending to 64 candidate keys each) took 69 µs to issue against a 76 µs
+kernel: 11 µs checking the
 arguments, 25 choosing the tiles, finding the work list and preparing the launch, 24 in Triton's
 launch path, 6 in the kernel launch itself (docs/performance.md, 2026-12-01, sixteenth session).
 On a slower host that made the call slower than padded SDPA.
