@@ -910,7 +910,7 @@ def jfa_forward(
     per-offsets cache of ``gem_jagged._worklist``: only for callers that keep it private (the
     eager path); an op that returns it to a compiler must return a fresh tensor, whose memory
     the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
-    kernels' TMA descriptors for the backward's launches (``hopper._row_descriptor``).
+    kernels' TMA descriptors for the backward's launches (``hopper.row_descriptor``).
     ``record`` (a list, or None) receives a ``RecordedForward`` of the launch when the kernel
     read the caller's q, k and v in place, 16-byte aligned, with no bias, by pointers or (the
     Gluon kernel) through descriptors made at the launch (what ``_plan`` can launch again).
@@ -945,14 +945,12 @@ def jfa_forward(
     if cfg.fwd_hopper and hopper.supported(
         q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
     ):
-        launched = [] if plannable else None
-        hopper.launch_forward(
+        kernel, compiled, args, constexprs = hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
             block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_stages, descriptors=descriptors, record=launched,
+            num_stages=cfg.fwd_stages, descriptors=descriptors,
         )  # fmt: skip
-        if launched:
-            kernel, compiled, args, constexprs = launched[0]
+        if plannable:
             record.append(
                 RecordedForward(
                     kernel, compiled, grid, args, constexprs, cfg, chosen_by, cfg.fwd_block_n

@@ -172,12 +172,12 @@ def row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescr
 
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None, record=None,
+    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out contiguous). ``descriptors``: a memo of TMA descriptors (a dict) shared
-    with the backward's launches, or None. ``record`` (a list, or None) receives
-    ``(kernel, compiled kernel, args, constexprs)``."""
+    with the backward's launches, or None. Returns what was launched: ``(kernel, compiled
+    kernel, args, constexprs)``."""
     total_q, num_heads, head_dim = q.shape
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
@@ -189,8 +189,7 @@ def launch_forward(
         NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
     compiled = _jfa_fwd_hopper_kernel[grid](*args, **constexprs)
-    if record is not None:
-        record.append((_jfa_fwd_hopper_kernel, compiled, args, constexprs))
+    return _jfa_fwd_hopper_kernel, compiled, args, constexprs
 
 
 def launch_dq(
