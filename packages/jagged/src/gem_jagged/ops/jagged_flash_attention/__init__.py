@@ -70,8 +70,9 @@ def jagged_flash_attention(
     if plan is not None:  # an earlier call with this key passed every check below
         kv_offsets = q_offsets if kv_offsets is None else kv_offsets
         return _op.eager_triton_attention(
-            q, k, v, q_offsets, kv_offsets, None, plan.causal, plan.scale, max_q_len, plan=plan
-        )
+            q, k, v, q_offsets, kv_offsets, None, plan.causal, plan.scale, max_q_len, plan=plan,
+            plan_key=plan_key,
+        )  # fmt: skip
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_values(name, x)
     check_same([("q", q), ("k", k), ("v", v)])

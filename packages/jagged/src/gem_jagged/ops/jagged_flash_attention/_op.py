@@ -28,7 +28,7 @@ import torch
 
 from . import _plan
 from .reference import jagged_flash_attention_reference, jagged_flash_attention_reference_backward
-from .triton import forward_work_slots, jfa_backward, jfa_forward
+from .triton import RecordedBackward, forward_work_slots, jfa_backward, jfa_forward
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -161,18 +161,26 @@ class _TritonAttention(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
         ctx.options = (causal, scale, max_q_len)
+        ctx.plan_key = plan_key
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
+        tensors = (dout, q, k, v, out, lse, q_offsets, kv_offsets)
+        plan = _plan.backward_plan(ctx.plan_key)
+        if plan is not None and (grads := plan.backward(*tensors)) is not None:
+            return *grads, None, None, None, None, None, None, None, None
         causal, scale, max_q_len = ctx.options
+        record = None if ctx.plan_key is None else RecordedBackward()
         dq, dk, dv, dbias = jfa_backward(
             dout, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, scale=scale,
             rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work,
-            descriptors=ctx.descriptors,
+            descriptors=ctx.descriptors, record=record,
         )  # fmt: skip
+        if record is not None:
+            _plan.remember_backward(ctx.plan_key, record, *tensors)
         return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
 
@@ -183,7 +191,7 @@ def eager_forward(
     launches; otherwise through ``jfa_forward``, recording a plan under ``plan_key`` (if not
     None) when its launch allows one."""
     if plan is not None:
-        result = plan.forward(q, k, v, descriptors)
+        result = plan.forward(q, k, v)
         if result is not None:
             return result
     recorded = [] if plan_key is not None else None

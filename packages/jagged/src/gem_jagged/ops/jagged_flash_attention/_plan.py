@@ -25,10 +25,24 @@ kernel by pointers, or the Gluon kernel (Hopper), whose K and V descriptors are 
 each call for the new pointers (and shared with the backward pass as ``jfa_forward`` shares
 them). A plan is used only with q, k and v 16-byte aligned and no launch hook installed; it is
 forgotten when an offsets tensor it serves dies.
+
+The backward pass. An eager J1 step (causal self-attention over 120 histories at head dim 128)
+issues its backward's two launches in about 0.7 ms of host time against 0.65 ms of kernels, so
+the device waits for the host (docs/performance.md, 2026-12-01, sixteenth session). The first
+backward of a forward with a plan records a ``BackwardPlan``: each launch ``jfa_backward`` made,
+where each of its per-call arguments comes from (q, k, v, out, dout, lse, the offsets, or a
+tensor the call made: dQ, dK, dV, δ, the split tiles' zeroed scratch, found by address), and
+the shapes of the tensors to make. Its arguments that outlive the call (the work lists, the
+unused scratch) stay as recorded. A later backward of a forward with the same key makes the
+tensors and launches with the new addresses. The plan is recorded only when every per-call
+argument is found unambiguously (distinct addresses, no empty tensor) and every other tensor
+argument is a work list or the unused scratch (``jfa_backward`` names what it made); it is used
+only with dout of q's shape and dtype, 16-byte aligned once contiguous, on the recorded stream.
 """
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -38,10 +52,14 @@ from gem_jagged._direct_launch import DirectLaunch
 from . import hopper
 from . import triton as kernels
 
-__all__ = ["ForwardPlan", "key_of", "lookup", "remember", "forget_all"]
+__all__ = [
+    "BackwardPlan", "ForwardPlan", "backward_plan", "forget_all", "key_of", "lookup", "remember",
+    "remember_backward",
+]  # fmt: skip
 
-# key -> plan
+# key -> plan of the forward, and of the backward pass of a forward with that key
 _PLANS: dict[tuple, "ForwardPlan"] = {}
+_BACKWARD_PLANS: dict[tuple, "BackwardPlan"] = {}
 
 # The forward kernels' arguments that change from call to call, in ``ForwardPlan``'s order: by
 # pointers (the Triton kernel; its bias tiles are ``q`` standing in, never read, for a bias-free
@@ -55,17 +73,22 @@ PER_CALL_ARGS_DESCRIPTORS = (
 )  # fmt: skip
 
 
+def _config_unchanged(cfg, chosen_by) -> bool:
+    """Whether the tile tables still choose ``cfg`` (a tuning sweep or a test may change them)."""
+    return kernels.config_chosen_by(chosen_by) is cfg
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ForwardPlan:
     """What an eager forward with one key needs beyond its pointers (see the module docstring).
     ``causal`` and ``scale`` are the call's options normalised (the backward pass reads them);
     ``cfg`` is the tile table entry the launch used, which ``config_chosen_by(chosen_by)`` must
-    still hand back (a tuning sweep or a test may change the tables)."""
+    still hand back."""
 
     launch: DirectLaunch
     cfg: kernels.JaggedAttentionConfig
     chosen_by: tuple
-    descriptor_rows: int | None  # None: by pointers; else K/V descriptors of blocks this tall
+    descriptors: bool  # K and V through TMA descriptors (the Gluon kernel), else by pointers
     work_5W: torch.Tensor
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, int]
@@ -83,31 +106,152 @@ class ForwardPlan:
             self.q_offsets() is q_offsets
             and self.kv_offsets() is kv_offsets
             and self.versions == (q_offsets._version, kv_offsets._version)
-            and kernels.config_chosen_by(self.chosen_by) is self.cfg
+            and _config_unchanged(self.cfg, self.chosen_by)
         )
 
-    def forward(self, q, k, v, descriptors=None):
-        """``(out, lse, work)`` as ``jfa_forward`` returns them (``descriptors``: its memo of
-        TMA descriptors); None (nothing launched) when q, k or v is not 16-byte aligned or a
-        launch hook is installed."""
+    def forward(self, q, k, v):
+        """``(out, lse, work)`` as ``jfa_forward`` returns them; None (nothing launched) when
+        q, k or v is not 16-byte aligned or a launch hook is installed."""
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15 or not DirectLaunch.available():
             return None
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         offsets = (self.q_offsets().data_ptr(), self.kv_offsets().data_ptr())
-        if self.descriptor_rows is None:
-            k_arg, v_arg, bias_tiles = k_ptr, v_ptr, (q_ptr,)
-        else:
-            rows = self.descriptor_rows
-            k_arg = hopper.row_descriptor(k, rows, descriptors)
-            v_arg = hopper.row_descriptor(v, rows, descriptors)
+        if self.descriptors:
+            k_arg, v_arg = hopper.row_descriptor_arg(k), hopper.row_descriptor_arg(v)
             bias_tiles = ()
+        else:
+            k_arg, v_arg, bias_tiles = k_ptr, v_ptr, (q_ptr,)
         self.launch(
             self.stream, q_ptr, k_arg, v_arg, out.data_ptr(), lse.data_ptr(), *offsets,
             *bias_tiles,
         )  # fmt: skip
         return out, lse, self.work_5W
+
+
+class Source(NamedTuple):
+    """Where a backward launch's per-call argument comes from: the tensor called ``name``
+    (``BackwardPlan.backward``'s), ``offset`` bytes in, or a TMA descriptor of its rows."""
+
+    name: str
+    offset: int = 0
+    descriptor: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BackwardPlan:
+    """The launches of an eager backward pass after a forward with one key (module
+    docstring): each ``DirectLaunch`` with the ``Source`` of each of its per-call arguments,
+    and the tensors to make per call (name, shape, dtype, zeroed)."""
+
+    launches: tuple[tuple[DirectLaunch, tuple[Source, ...]], ...]
+    made: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]
+    cfg: kernels.JaggedAttentionConfig
+    chosen_by: tuple
+    stream: int
+
+    def backward(self, dout, q, k, v, out, lse, q_offsets, kv_offsets):
+        """``(dq, dk, dv)`` as ``jfa_backward`` returns them without a bias; None (nothing
+        launched) where the recorded launches do not apply (module docstring)."""
+        dout = dout.contiguous()
+        inputs = _inputs(dout, q, k, v, out, lse, q_offsets, kv_offsets)
+        if (
+            dout.shape != q.shape
+            or dout.dtype != q.dtype
+            or any(t.data_ptr() & 15 for t in inputs.values())
+            or current_stream(q.device.index) != self.stream
+            or not _config_unchanged(self.cfg, self.chosen_by)
+            or not DirectLaunch.available()
+        ):
+            return None
+        tensors = inputs | {
+            name: (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=q.device)
+            for name, shape, dtype, zeroed in self.made
+        }
+        for launch, sources in self.launches:
+            launch(self.stream, *(_value(tensors, source) for source in sources))
+        return tensors["dq"], tensors["dk"], tensors["dv"]
+
+
+def _inputs(dout, q, k, v, out, lse, q_offsets, kv_offsets) -> dict[str, torch.Tensor]:
+    """The backward's per-call tensors that it does not make, by name (the key-side offsets
+    only when they are not the query side's: the key holds their identity)."""
+    inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, q_offsets=q_offsets)
+    if kv_offsets is not q_offsets:
+        inputs["kv_offsets"] = kv_offsets
+    return inputs
+
+
+def _value(tensors: dict[str, torch.Tensor], source: Source):
+    tensor = tensors[source.name]
+    if source.descriptor:
+        return hopper.row_descriptor_arg(tensor)
+    return tensor.data_ptr() + source.offset
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _sources(launch, named: dict[str, torch.Tensor], made: set[str], kept) -> dict | None:
+    """Each per-call argument of ``launch`` (argument name -> ``Source``): a tensor of ``named``
+    at its address, a tensor inside one ``made`` there, or a descriptor of one's rows; None if
+    a tensor argument is none of those nor inside one of ``kept``."""
+    by_address = {t.data_ptr(): name for name, t in named.items()}
+    sources = {}
+    for arg, value in launch.named_args().items():
+        descriptor = hasattr(value, "block_shape")  # a TMA descriptor
+        tensor = value.base if descriptor else value
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        address = tensor.data_ptr()
+        if address in by_address:
+            sources[arg] = Source(by_address[address], descriptor=descriptor)
+            continue
+        inside = [n for n in made if _span(named[n])[0] < address < _span(named[n])[1]]
+        if inside and not descriptor:
+            sources[arg] = Source(inside[0], offset=address - named[inside[0]].data_ptr())
+        elif descriptor or not any(lo <= address < hi for lo, hi in map(_span, kept)):
+            return None
+    return sources
+
+
+def backward_plan(key) -> BackwardPlan | None:
+    """The backward plan recorded after a forward with ``key`` (None for no key)."""
+    return None if key is None else _BACKWARD_PLANS.get(key)
+
+
+def remember_backward(key, recorded, dout, q, k, v, out, lse, q_offsets, kv_offsets) -> None:
+    """Record the backward plan of ``key`` from what ``jfa_backward`` did (``recorded``:
+    ``kernels.RecordedBackward``) with these tensors, where its launches allow one (module
+    docstring); only while the forward's plan of ``key`` lives (it is forgotten with it)."""
+    forward = _PLANS.get(key)
+    if forward is None or not recorded.plannable or not recorded.launches:
+        return
+    named = _inputs(dout.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets)
+    named |= {name: t for name, (t, _) in recorded.made.items()}
+    addresses = [t.data_ptr() for t in named.values()]
+    if len(set(addresses)) < len(addresses) or any(
+        t.numel() == 0 or t.data_ptr() & 15 for t in named.values()
+    ):
+        return
+    launches = []
+    for launch in recorded.launches:
+        sources = _sources(launch, named, set(recorded.made), recorded.kept)
+        direct = None if sources is None else DirectLaunch.record(launch, per_call=tuple(sources))
+        if direct is None:
+            return
+        launches.append((direct, tuple(sources.values())))
+    _BACKWARD_PLANS[key] = BackwardPlan(
+        launches=tuple(launches),
+        made=tuple(
+            (name, tuple(t.shape), t.dtype, zeroed) for name, (t, zeroed) in recorded.made.items()
+        ),
+        cfg=forward.cfg,
+        chosen_by=forward.chosen_by,
+        stream=forward.stream,
+    )
 
 
 def key_of(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, hints, backend):
@@ -128,8 +272,13 @@ def key_of(q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, hints, ba
     return (
         q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, k.device, v.device, id(q_offsets), id(kv_offsets), causal, scale, *hints,
-        backend, device, torch._C._cuda_getCurrentRawStream(device),
+        backend, device, current_stream(device),
     )  # fmt: skip
+
+
+def current_stream(device_index: int) -> int:
+    """The current CUDA stream of a device, as the launcher takes it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def lookup(key, q_offsets, kv_offsets) -> ForwardPlan | None:
@@ -145,25 +294,24 @@ def lookup(key, q_offsets, kv_offsets) -> ForwardPlan | None:
 
 def remember(key, recorded, out, lse, work_5W, q_offsets, kv_offsets, *, causal, scale) -> None:
     """Record the plan of a call whose checks passed, from its launch ``recorded``
-    (``kernels.RecordedForward``)."""
+    (``kernels.RecordedForward``); the backward plan of an earlier one is forgotten."""
+    _BACKWARD_PLANS.pop(key, None)
     if torch.is_inference_mode_enabled():  # its work list would be an inference tensor
         return
-    per_call = PER_CALL_ARGS if recorded.descriptor_rows is None else PER_CALL_ARGS_DESCRIPTORS
-    launch = DirectLaunch.record(
-        recorded.kernel, recorded.compiled, recorded.grid, recorded.args, recorded.constexprs,
-        per_call=per_call,
-    )  # fmt: skip
+    per_call = PER_CALL_ARGS_DESCRIPTORS if recorded.descriptors else PER_CALL_ARGS
+    launch = DirectLaunch.record(recorded.launch, per_call=per_call)
     if launch is None:
         return
 
     def forget(_, key=key):
         _PLANS.pop(key, None)
+        _BACKWARD_PLANS.pop(key, None)
 
     _PLANS[key] = ForwardPlan(
         launch=launch,
         cfg=recorded.cfg,
         chosen_by=recorded.chosen_by,
-        descriptor_rows=recorded.descriptor_rows,
+        descriptors=recorded.descriptors,
         work_5W=work_5W,
         out_shape=tuple(out.shape),
         lse_shape=tuple(lse.shape),
@@ -179,3 +327,4 @@ def remember(key, recorded, out, lse, work_5W, q_offsets, kv_offsets, *, causal,
 def forget_all() -> None:
     """Drop every plan (the next eager call of each key records its own again)."""
     _PLANS.clear()
+    _BACKWARD_PLANS.clear()

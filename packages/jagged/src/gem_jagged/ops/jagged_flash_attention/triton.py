@@ -83,13 +83,14 @@ projection are): the kernels take their row strides instead of a contiguous copy
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gem_jagged._checks import checked_length_range, keys_fit_one_tile
+from gem_jagged._direct_launch import Launch
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
@@ -945,17 +946,13 @@ def jfa_forward(
     if cfg.fwd_hopper and hopper.supported(
         q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
     ):
-        kernel, compiled, args, constexprs = hopper.launch_forward(
+        launch = hopper.launch_forward(
             grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
             block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
             num_stages=cfg.fwd_stages, descriptors=descriptors,
         )  # fmt: skip
         if plannable:
-            record.append(
-                RecordedForward(
-                    kernel, compiled, grid, args, constexprs, cfg, chosen_by, cfg.fwd_block_n
-                )
-            )
+            record.append(RecordedForward(launch, cfg, chosen_by, descriptors=True))
         return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
     k_src, v_src = k, v
@@ -976,28 +973,36 @@ def jfa_forward(
         *args, **constexprs, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages
     )
     if plannable and not tma:
-        record.append(
-            RecordedForward(_jfa_fwd_kernel, compiled, grid, args, constexprs, cfg, chosen_by)
-        )
+        launch = Launch(_jfa_fwd_kernel, compiled, grid, args, constexprs)
+        record.append(RecordedForward(launch, cfg, chosen_by))
     return out, lse, work.packed_5W
 
 
 @dataclass(frozen=True)
 class RecordedForward:
-    """One launch of a forward kernel (``jfa_forward``'s ``record``): the kernel, what
-    ``kernel[grid]`` returned (the compiled kernel), the grid, the arguments, the tile table
-    entry ``cfg`` that ``config_chosen_by(chosen_by)`` chose, and for the Gluon kernel the
-    height of the blocks its K and V descriptors describe (None: the Triton kernel, by
-    pointers)."""
+    """One launch of a forward kernel (``jfa_forward``'s ``record``), the tile table entry
+    ``cfg`` that ``config_chosen_by(chosen_by)`` chose, and whether K and V went through TMA
+    descriptors (the Gluon kernel) or by pointers (the Triton kernel)."""
 
-    kernel: object
-    compiled: object
-    grid: tuple[int, ...]
-    args: tuple
-    constexprs: dict
+    launch: Launch
     cfg: JaggedAttentionConfig
     chosen_by: tuple
-    descriptor_rows: int | None = None
+    descriptors: bool = False
+
+
+@dataclass
+class RecordedBackward:
+    """What one ``jfa_backward`` call launched (its ``record``), for ``_plan`` to launch again:
+    the launches in order; the tensors it made for the call by name, each with whether it was
+    zeroed (``dq``, ``dk``, ``dv``, and ``delta`` and ``scratch`` where made); the tensors it
+    read that outlive the call (``kept``: work lists, the unused scratch); and whether the
+    launches can be made again from the call's tensors (``plannable``: no bias, and the
+    caller's q, k, v and out read in place)."""
+
+    launches: list[Launch] = field(default_factory=list)
+    made: dict[str, tuple[torch.Tensor, bool]] = field(default_factory=dict)
+    kept: list[torch.Tensor] = field(default_factory=list)
+    plannable: bool = False
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -1018,10 +1023,11 @@ def forward_work_slots(q: torch.Tensor, k: torch.Tensor, q_offsets, *, rel_bias:
 
 def jfa_backward(
     dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
-    forward_work=None, descriptors=None,
+    forward_work=None, descriptors=None, record=None,
 ):  # fmt: skip
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``.
     ``descriptors``: the forward's memo of TMA descriptors (``jfa_forward``), or None.
+    ``record`` (a ``RecordedBackward``, or None) receives the launches and what they were given.
 
     Usually dQ runs first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then
     reads. Where the tile table says so (``dq_in_dkdv``: short keys, no bias, the Triton dK/dV
@@ -1029,8 +1035,13 @@ def jfa_backward(
     its one key tile; the dQ kernel then runs only for the other sequences, and not at all when
     the offsets' host check showed every sequence to have 1 to ``dkdv_block_n`` keys.
     """
+    given = (q, k, v, out)
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
+    if record is not None:
+        record.plannable = rel_bias is None and all(
+            a is b for a, b in zip((q, k, v, out), given, strict=True)
+        )
     cfg = config_for(
         q.shape[2], q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
         rel_bias=rel_bias is not None,
@@ -1040,9 +1051,10 @@ def jfa_backward(
         rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
     )  # fmt: skip
     dq_in_dkdv = cfg.dq_in_dkdv and rel_bias is None and not dkdv_on_hopper
-    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, cfg=cfg)
+    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, cfg=cfg, record=record)
     if dq_in_dkdv:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _made(record, dq=dq)
         delta = lse  # never read: the dK/dV kernel sums δ itself
         if not keys_fit_one_tile(kv_offsets, cfg.dkdv_block_n):
             backward_dq(
@@ -1062,9 +1074,28 @@ def jfa_backward(
     return dq, dk, dv, dbias
 
 
+def _made(record: RecordedBackward | None, *, zeroed: bool = False, **tensors) -> None:
+    """Tell ``record`` (if any) of tensors made for this call."""
+    if record is not None:
+        record.made.update((name, (t, zeroed)) for name, t in tensors.items())
+
+
+def _kept(record: RecordedBackward | None, *tensors: torch.Tensor) -> None:
+    """Tell ``record`` (if any) of tensors read that outlive this call."""
+    if record is not None:
+        record.kept.extend(tensors)
+
+
+def _launch(record: RecordedBackward | None, kernel, grid, args, constexprs, **options) -> None:
+    """``kernel[grid](*args, **constexprs, **options)``, told to ``record`` (if any)."""
+    compiled = kernel[grid](*args, **constexprs, **options)
+    if record is not None:
+        record.launches.append(Launch(kernel, compiled, grid, args, constexprs))
+
+
 def backward_dkdv(
     dout, q, k, v, out, lse, delta, dq, q_offsets, kv_offsets, *, causal, scale, rel_bias, cfg,
-    on_hopper, dq_in_dkdv, max_q_len=None, descriptors=None,
+    on_hopper, dq_in_dkdv, max_q_len=None, descriptors=None, record=None,
 ):  # fmt: skip
     """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous) from the
     key-tile work list, long query ranges split; with ``dq_in_dkdv`` also dQ of the sequences
@@ -1072,6 +1103,7 @@ def backward_dkdv(
     total_q, num_heads, head_dim = q.shape
     num_seqs = q_offsets.shape[0] - 1
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    _made(record, dk=dk, dv=dv)
     if max_q_len is None:  # no hint: the offsets' host check may know the longest sequence
         lengths = checked_length_range(q_offsets)
         max_q_len = None if lengths is None else lengths[1]
@@ -1090,45 +1122,57 @@ def backward_dkdv(
     if max_splits > 1:
         scratch_numel = 2 * kv_numel + k.shape[0] * num_heads
         scratch = torch.zeros(scratch_numel, dtype=torch.float32, device=k.device)
+        _made(record, scratch=scratch, zeroed=True)
     else:  # never written, but float32 like the real scratch: one compiled variant for both
         scratch = _unused_float32(k.device)
+        _kept(record, scratch)
+    _kept(record, kwork.packed_5W)
     grid = (kwork.num_slots * num_heads,)
     if on_hopper:
         dk_scratch = dv_scratch = scratch
         if max_splits > 1:
             dk_scratch = scratch[:kv_numel].view(k.shape)
             dv_scratch = scratch[kv_numel : 2 * kv_numel].view(k.shape)
-        hopper.launch_dkdv(
+        launch = hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
             descriptors=descriptors,
         )  # fmt: skip
+        if record is not None:
+            record.launches.append(launch)
         if max_splits > 1:
-            _jfa_dkdv_finish_kernel[grid](
-                dk, dv, dk_scratch, dv_scratch, kv_offsets,
-                kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
-                HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+            _launch(
+                record, _jfa_dkdv_finish_kernel, grid,
+                (dk, dv, dk_scratch, dv_scratch, kv_offsets,
+                 kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads),
+                dict(HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n), num_warps=cfg.dkdv_warps,
             )  # fmt: skip
         return dk, dv
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
     )
-    _jfa_dkdv_kernel[grid](
+    args = (
         q, k, v, out, dout, lse, delta, tiles, dq, dk, dv, scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
         num_heads, total_q, k.shape[0], scale, scale * LOG2E, _radius(rel_bias), o_lo,
-        num_offsets, q.stride(0), k.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m,
-        BLOCK_N=cfg.dkdv_block_n, CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-        DQ_IN_DKDV=dq_in_dkdv, DOT_PRECISION=_dot_precision(q.dtype),
-        NUM_STAGES=cfg.dkdv_stages, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        num_offsets, q.stride(0), k.stride(0),
+    )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, CAUSAL=causal,
+        HAS_BIAS=rel_bias is not None, BIAS_STEP=step, DQ_IN_DKDV=dq_in_dkdv,
+        DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dkdv_stages,
+    )  # fmt: skip
+    _launch(
+        record, _jfa_dkdv_kernel, grid, args, constexprs, num_warps=cfg.dkdv_warps,
+        num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     return dk, dv
 
 
 def backward_dq(
     dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, cfg,
-    forward_work=None, descriptors=None, dq=None, keys_done_elsewhere=0,
+    forward_work=None, descriptors=None, dq=None, keys_done_elsewhere=0, record=None,
 ):  # fmt: skip
     """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
     (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous), from the query-tile
@@ -1140,7 +1184,9 @@ def backward_dq(
     total_q, num_heads, head_dim = q.shape
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _made(record, dq=dq)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
+    _made(record, delta=delta)
     radius = _radius(rel_bias)
     if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
         qwork = TileWorkList(forward_work, cfg.dq_block_m)
@@ -1149,6 +1195,7 @@ def backward_dq(
             q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal,
             cache=True,
         )  # fmt: skip
+    _kept(record, qwork.packed_5W)
     num_programs = qwork.num_slots * num_heads
     if rel_bias is not None:
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
@@ -1161,22 +1208,29 @@ def backward_dq(
         q, k, v, out, dout,
         rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
     ):  # fmt: skip
-        hopper.launch_dq(
+        launch = hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, descriptors=descriptors,
         )  # fmt: skip
+        if record is not None:
+            record.launches.append(launch)
     else:
-        _jfa_dq_kernel[(num_programs,)](
+        args = (
             q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
             q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
             num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
-            k.stride(0), keys_done_elsewhere, HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m,
-            BLOCK_N=cfg.dq_block_n,
-            CAUSAL=causal, HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
+            k.stride(0), keys_done_elsewhere,
+        )  # fmt: skip
+        constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
+            HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
             DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
-            DOT_PRECISION=_dot_precision(q.dtype),
-            NUM_STAGES=cfg.dq_stages, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dq_stages,
+        )  # fmt: skip
+        _launch(
+            record, _jfa_dq_kernel, (num_programs,), args, constexprs, num_warps=cfg.dq_warps,
+            num_stages=cfg.dq_stages,
         )  # fmt: skip
     dbias = None
     if rel_bias is not None:
