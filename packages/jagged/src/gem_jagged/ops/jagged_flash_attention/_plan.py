@@ -21,10 +21,10 @@ sends the call down the ordinary path (that records the plan again).
 Plans are made only where the eager fast path runs (``_op.eager_path_allowed``), outside
 CUDA-graph capture and inference mode, without a relative bias, for a forward kernel reading
 the caller's q, k and v in place, 16-byte aligned (``jfa_forward``'s ``record``): the Triton
-kernel by pointers, or the Gluon kernel (Hopper), whose K and V descriptors are made again at
-each call for the new pointers (and shared with the backward pass as ``jfa_forward`` shares
-them). A plan is used only with q, k and v 16-byte aligned and no launch hook installed; it is
-forgotten when an offsets tensor it serves dies.
+kernel by pointers, or the Gluon kernel (Hopper), whose K and V descriptors are passed again
+at each call for the new pointers (``hopper.row_descriptor_arg``). A plan is used only with q,
+k and v 16-byte aligned and no launch hook installed; it is forgotten when an offsets tensor it
+serves dies.
 
 The backward pass. An eager J1 step (causal self-attention over 120 histories at head dim 128)
 issues its backward's two launches in about 0.7 ms of host time against 0.65 ms of kernels, so
@@ -33,11 +33,15 @@ backward of a forward with a plan records a ``BackwardPlan``: each launch ``jfa_
 where each of its per-call arguments comes from (q, k, v, out, dout, lse, the offsets, or a
 tensor the call made: dQ, dK, dV, δ, the split tiles' zeroed scratch, found by address), and
 the shapes of the tensors to make. Its arguments that outlive the call (the work lists, the
-unused scratch) stay as recorded. A later backward of a forward with the same key makes the
-tensors and launches with the new addresses. The plan is recorded only when every per-call
-argument is found unambiguously (distinct addresses, no empty tensor) and every other tensor
-argument is a work list or the unused scratch (``jfa_backward`` names what it made); it is used
-only with dout of q's shape and dtype, 16-byte aligned once contiguous, on the recorded stream.
+unused scratch) stay as recorded, kept alive by the plan. A later backward of a forward with
+the same key makes the tensors and launches with the new addresses. ``jfa_backward`` names
+what it made and what it kept; the plan is recorded only when every tensor argument is one of
+those or a call tensor, found unambiguously (distinct, 16-byte aligned addresses, no empty
+tensor), so a temporary that a later edit adds without naming it stops the recording instead
+of being launched again stale. It is used only with dout of q's shape and dtype, 16-byte
+aligned once contiguous, on the recorded stream, with the tile tables unchanged. Measured
+(2026-12-02, seventeenth session): J1's eager step issued in 0.40-0.57 ms instead of
+0.85-1.06, below its 0.88 ms of kernels.
 """
 
 import dataclasses
