@@ -221,7 +221,7 @@ def test_backward_plan_finds_every_argument_and_launches_with_the_new_call_tenso
     assert kernels == [jfa_triton._jfa_dq_kernel, jfa_triton._jfa_dkdv_kernel]
     assert record.plannable and set(record.made) == {"dq", "dk", "dv", "delta", "scratch"}
     assert record.made["scratch"][1]  # zeroed
-    _plan.remember_backward(key, record, *first, out, lse, q_off, kv_off)
+    _plan.remember_backward(key, record, *first[1:], out, lse, q_off, kv_off)
     plan = _plan.backward_plan(key)
     assert plan is not None
     dq_launch, dkdv_launch = (launch for launch, _ in plan.launches)
@@ -263,7 +263,8 @@ def test_backward_plan_finds_every_argument_and_launches_with_the_new_call_tenso
 def test_backward_plan_is_not_recorded_from_an_unknown_tensor_or_shared_addresses(monkeypatch):
     """A launch argument that is neither a call tensor nor a kept one (a temporary the plan
     would not make again), or two call tensors at one address (q is k: a later call with the
-    same key may pass them apart), leaves no plan."""
+    same key may pass them apart), leaves no plan; an expanded dout (the gradient of
+    ``out.sum()``), which the backward reads as a contiguous copy, does not stop one."""
     _plan.forget_all()
     lq = lk = [20, 3]
     q_off = offsets_from_lengths(lq)
@@ -275,7 +276,7 @@ def test_backward_plan_is_not_recorded_from_an_unknown_tensor_or_shared_addresse
         q, k, v, q_off, q_off, causal=False, scale=0.3, rel_bias=None
     )
 
-    def recorded(q, k, v, offsets):
+    def recorded(q, k, v, offsets, dout=dout):
         record = jfa_triton.RecordedBackward()
         jfa_triton.jfa_backward(
             dout, q, k, v, out, lse, offsets, offsets, causal=False, scale=0.3, rel_bias=None,
@@ -285,14 +286,14 @@ def test_backward_plan_is_not_recorded_from_an_unknown_tensor_or_shared_addresse
 
     record = recorded(q, k, v, q_off)
     record.kept.clear()  # the work lists are no longer known to outlive the call
-    _plan.remember_backward(key, record, dout, q, k, v, out, lse, q_off, q_off)
+    _plan.remember_backward(key, record, q, k, v, out, lse, q_off, q_off)
     assert _plan.backward_plan(key) is None
     del record
     record = recorded(q, q, v, q_off)
-    _plan.remember_backward(key, record, dout, q, q, v, out, lse, q_off, q_off)
+    _plan.remember_backward(key, record, q, q, v, out, lse, q_off, q_off)
     assert _plan.backward_plan(key) is None
-    record = recorded(q, k, v, q_off)
-    _plan.remember_backward(key, record, dout, q, k, v, out, lse, q_off, q_off)
+    record = recorded(q, k, v, q_off, dout=torch.ones(()).expand(q.shape))
+    _plan.remember_backward(key, record, q, k, v, out, lse, q_off, q_off)
     assert _plan.backward_plan(key) is not None
     del q_off, record  # the record's launches hold the offsets
     gc.collect()

@@ -180,7 +180,7 @@ class _TritonAttention(torch.autograd.Function):
             descriptors=ctx.descriptors, record=record,
         )  # fmt: skip
         if record is not None:
-            _plan.remember_backward(ctx.plan_key, record, *tensors)
+            _plan.remember_backward(ctx.plan_key, record, *tensors[1:])
         return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
 

@@ -226,14 +226,14 @@ def backward_plan(key) -> BackwardPlan | None:
     return None if key is None else _BACKWARD_PLANS.get(key)
 
 
-def remember_backward(key, recorded, dout, q, k, v, out, lse, q_offsets, kv_offsets) -> None:
+def remember_backward(key, recorded, q, k, v, out, lse, q_offsets, kv_offsets) -> None:
     """Record the backward plan of ``key`` from what ``jfa_backward`` did (``recorded``:
     ``kernels.RecordedBackward``) with these tensors, where its launches allow one (module
     docstring); only while the forward's plan of ``key`` lives (it is forgotten with it)."""
     forward = _PLANS.get(key)
     if forward is None or not recorded.plannable or not recorded.launches:
         return
-    named = _inputs(dout.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets)
+    named = _inputs(recorded.dout, q, k, v, out, lse, q_offsets, kv_offsets)
     named |= {name: t for name, (t, _) in recorded.made.items()}
     addresses = [t.data_ptr() for t in named.values()]
     if len(set(addresses)) < len(addresses) or any(

@@ -995,13 +995,15 @@ class RecordedBackward:
     """What one ``jfa_backward`` call launched (its ``record``), for ``_plan`` to launch again:
     the launches in order; the tensors it made for the call by name, each with whether it was
     zeroed (``dq``, ``dk``, ``dv``, and ``delta`` and ``scratch`` where made); the tensors it
-    read that outlive the call (``kept``: work lists, the unused scratch); and whether the
-    launches can be made again from the call's tensors (``plannable``: no bias, and the
-    caller's q, k, v and out read in place)."""
+    read that outlive the call (``kept``: work lists, the unused scratch); dout as the
+    launches read it (contiguous: a copy of an expanded gradient); and whether the launches can
+    be made again from the call's tensors (``plannable``: no bias, and the caller's q, k, v and
+    out read in place)."""
 
     launches: list[Launch] = field(default_factory=list)
     made: dict[str, tuple[torch.Tensor, bool]] = field(default_factory=dict)
     kept: list[torch.Tensor] = field(default_factory=list)
+    dout: torch.Tensor | None = None
     plannable: bool = False
 
 
@@ -1039,6 +1041,7 @@ def jfa_backward(
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
     if record is not None:
+        record.dout = dout
         record.plannable = rel_bias is None and all(
             a is b for a, b in zip((q, k, v, out), given, strict=True)
         )
