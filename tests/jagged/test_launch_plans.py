@@ -376,6 +376,38 @@ def test_gpu_a_planned_call_equals_the_ordinary_one(monkeypatch, case):
 
 
 @pytest.mark.gpu
+def test_gpu_a_compiled_step_launches_from_the_custom_ops_plans(monkeypatch):
+    """A graph compiled by ``torch.compile`` calls the custom ops; after its first step their
+    Triton implementations launch from plans recorded under the ops' own keys, and a step with
+    new q, k, v and dout gives the ordinary path's bits."""
+    _plan.forget_all()
+    case = GPU_CASES[2]  # the Gluon kernels on Hopper
+    shapes = dict(head_dim=case["head_dim"])
+    *first, q_off, kv_off = _cuda_case(case["lq"], case["lk"], seed=0, **shapes)
+    *second, _, _ = _cuda_case(case["lq"], case["lk"], seed=1, **shapes)
+
+    def attention(q, k, v):
+        return jagged_flash_attention(q, k, v, q_off, kv_off, causal=case["causal"])
+
+    def step(fn, q, k, v, do):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return out.detach(), *torch.autograd.grad(out, leaves, do)
+
+    compiled = torch.compile(attention, fullgraph=True)
+    with launch_plans_off(monkeypatch):
+        ordinary = step(attention, *second)
+    step(compiled, *first)
+    (key,) = _plan._PLANS
+    assert "custom op" in key and key in _plan._BACKWARD_PLANS
+    with monkeypatch.context() as m:
+        _no_ordinary_path(m)
+        planned = step(compiled, *second)
+    for got, want in zip(planned, ordinary, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_offsets_changed_in_place_are_checked_and_planned_again(monkeypatch):
     _plan.forget_all()
     q, k, v, _, q_off, kv_off = _cuda_case([5, 60, 0, 30], [64] * 4, head_dim=128)

@@ -22,6 +22,14 @@ of the Triton backend (``eager_triton_attention``) run the same kernels through 
 traces (it must see the custom op), not under a ``TorchDispatchMode`` (selective activation
 checkpointing, FLOP counters and fake tensors identify the op by name), and only on plain
 tensors (a tensor subclass dispatches through the custom op).
+
+Launch plans (``_plan``) serve both: the fast path under the public function's key, and the
+custom ops' Triton implementations under a key of their own, since a graph compiled by
+``torch.compile`` calls the ops at every step with the same shapes and offsets. Without them
+the ops issued a J1 step in about 2 ms of host time against 0.9 ms of kernels, and the compiled
+step ran 0.66x FlexAttention (docs/performance.md, 2026-12-02, seventeenth session). The
+forward op returns a copy of the work list (the compiler owns the op's outputs; the list is
+the cache's), and the backward op leaves that copy out of what a plan keeps.
 """
 
 import torch
@@ -49,9 +57,12 @@ def attention_forward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        return jfa_forward(
-            q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
-        )
+        key = _op_plan_key(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len)
+        out, lse, work = eager_forward(
+            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale,
+            plan=_plan.lookup(key, q_offsets, kv_offsets), plan_key=key,
+        )  # fmt: skip
+        return out, lse, work.clone()  # the compiler owns what the op returns, not the cache
     with torch.no_grad():
         out, lse = jagged_flash_attention_reference(
             q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
@@ -88,10 +99,12 @@ def attention_backward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        dq, dk, dv, dbias = jfa_backward(
-            dout, q, k, v, out, lse, q_offsets, kv_offsets,
-            causal=causal, scale=scale, rel_bias=rel_bias, max_q_len=max_q_len,
-            forward_work=work,
+        key = _op_plan_key(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len)
+        # A plan keeps the lists its launches read: the cache's, never the op's output ``work``
+        # (a compiler may reuse the memory of a saved tensor once the backward is done).
+        dq, dk, dv, dbias = planned_backward(
+            key, dout, q, k, v, out, lse, work if key is None else None, q_offsets, kv_offsets,
+            rel_bias, causal, scale, max_q_len,
         )  # fmt: skip
     else:
         dq, dk, dv, dbias = jagged_flash_attention_reference_backward(
@@ -114,6 +127,16 @@ def _(
         torch.empty_like(v, memory_format=torch.contiguous_format),
         dbias,
     )
+
+
+def _op_plan_key(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
+    """The launch-plan key of a call of the custom ops (``_plan.key_of``), apart from the
+    public function's keys: a compiled graph calls the ops, and its step is as host-bound as
+    an eager one."""
+    return _plan.key_of(
+        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
+        hints=(max_q_len, "custom op"), backend="triton",
+    )  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
@@ -168,20 +191,34 @@ class _TritonAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
-        tensors = (dout, q, k, v, out, lse, q_offsets, kv_offsets)
-        plan = _plan.backward_plan(ctx.plan_key)
-        if plan is not None and (grads := plan.backward(*tensors)) is not None:
-            return *grads, None, None, None, None, None, None, None, None
-        causal, scale, max_q_len = ctx.options
-        record = None if ctx.plan_key is None else RecordedBackward()
-        dq, dk, dv, dbias = jfa_backward(
-            dout, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, scale=scale,
-            rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work,
-            descriptors=ctx.descriptors, record=record,
+        dq, dk, dv, dbias = planned_backward(
+            ctx.plan_key, dout, q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias,
+            *ctx.options, descriptors=ctx.descriptors,
         )  # fmt: skip
-        if record is not None:
-            _plan.remember_backward(ctx.plan_key, record, *tensors[1:])
         return dq, dk, dv, None, None, dbias, None, None, None, None, None
+
+
+def planned_backward(
+    key, dout, q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias, causal, scale,
+    max_q_len, *, descriptors=None,
+):  # fmt: skip
+    """``jfa_backward``'s ``(dq, dk, dv, d_rel_bias)``: through the backward plan of ``key``
+    (``_plan.BackwardPlan``) when there is one and it launches; otherwise the ordinary way,
+    recording a plan under ``key`` (if not None) when its launches allow one."""
+    plan = _plan.backward_plan(key)
+    if plan is not None:
+        grads = plan.backward(dout, q, k, v, out, lse, q_offsets, kv_offsets)
+        if grads is not None:
+            return *grads, None
+    record = None if key is None else RecordedBackward()
+    grads = jfa_backward(
+        dout, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, scale=scale,
+        rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work, descriptors=descriptors,
+        record=record,
+    )  # fmt: skip
+    if record is not None:
+        _plan.remember_backward(key, record, q, k, v, out, lse, q_offsets, kv_offsets)
+    return grads
 
 
 def eager_forward(
