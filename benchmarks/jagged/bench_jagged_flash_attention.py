@@ -11,9 +11,9 @@ backward 3.5× that. J1 and J2 are causal self-attention over user histories; J3
 - SDPA on nested jagged tensors (``torch.nested`` layout ``jagged``) where it runs.
 
 The project is timed twice: called eagerly (the public function validates the offsets' values
-on the host, one device-to-host copy per call) and inside ``torch.compile(fullgraph=True)``
-(validation is skipped while tracing, as in a compiled model, so no host synchronisation
-remains); the ratios use the compiled figure, the anchors being compiled too. A third figure
+on the host once per offsets tensor, and repeated calls go through launch plans) and inside
+``torch.compile(fullgraph=True)`` (validation is skipped while tracing, as in a compiled model);
+the ratios use the compiled figure, the anchors being compiled too. A third figure
 replays the project's step as a CUDA graph (the op is capturable: no host synchronisation), which
 removes the host's launch overhead and shows what the kernels themselves sustain; FlexAttention
 and padded SDPA are replayed the same way, and the "graphed x" ratios compare replay with
@@ -27,6 +27,11 @@ kernel configurations of the project's kernel on J1, J2 and J3 (graph replays: d
 since eager timings of one config differ by ±15% from run to run once the host is the limit),
 each beside its largest deviation from the default configuration's output and gradients;
 ``--variants TEXT ...`` keeps the configurations whose names contain one of the texts.
+
+The goals' ratios to FlexAttention (J1, J2 forward + backward) are also measured alternately,
+project then FlexAttention, five rounds of a full-length ``do_bench`` each, eager and
+graph-replayed: a drift of the GPU's clocks or temperature during the run then reaches both
+sides of every ratio, and the spread over the rounds shows how far one figure can be trusted.
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
 waiting for the device (a loop of calls, no synchronisation), for the public function (with
@@ -135,7 +140,7 @@ def run(
     bias_note = "" if rel_bias_radius is None else f", project with rel_bias R={rel_bias_radius}"
     print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}"
           f"{bias_note} (anchors without bias)")  # fmt: skip
-    rows, headline = [], {}
+    rows, headline, alternating = [], {}, []
     for w in workloads(smoke, only):
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         project = project_fn(w, q, k, v, device, rel_bias_radius=rel_bias_radius)
@@ -188,6 +193,14 @@ def run(
                 if anchor in fns:
                     headline[f"{key}_x_{anchor}"] = ms[anchor] / best
                     headline[f"{key}_graph_x_{anchor}"] = ms[f"{anchor} (graph)"] / graphed
+        if device == "cuda" and "flex" in fns:
+            for graph in (False, True):
+                ratios = alternating_ratios(fns["project"], fns["flex"], graph=graph)
+                mode = "graphed" if graph else "eager"
+                alternating.append((w.name, mode, ratios))
+                headline[f"{w.name.lower()}_fwdbwd_{mode}_x_flex_alternating"] = float(
+                    np.median(ratios)
+                )
         del fns, q, k, v, do
     common.print_table(
         f"jagged flash attention, useful TFLOP/s ({common.environment()}); "
@@ -197,6 +210,17 @@ def run(
          "padded graphed", "graphed x flex", "graphed x padded"],
         rows,
     )  # fmt: skip
+    if alternating:
+        rounds = [f"round {i + 1}" for i in range(ALTERNATING_ROUNDS)]
+        common.print_table(
+            "forward + backward, FlexAttention time / project time, measured alternately "
+            f"({ALTERNATING_ROUNDS} rounds of a full-length do_bench each, project first)",
+            ["workload", "mode", "min", "median", "max", *rounds],
+            [
+                [name, mode, *map(_ratio, (min(r), float(np.median(r)), max(r), *r))]
+                for name, mode, r in alternating
+            ],
+        )
     if headline:
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
@@ -204,6 +228,24 @@ def run(
         run_host_cost(dtype, only)
     if sweep and device == "cuda":
         run_sweep(dtype, only, rel_bias_radius, variants)
+
+
+ALTERNATING_ROUNDS = 5
+
+
+def alternating_ratios(project, anchor, *, graph: bool) -> list[float]:
+    """Anchor ms / project ms of a forward + backward step, each round measuring the project
+    and then the anchor (``(fn, (q, k, v, do))`` pairs) with a full-length ``do_bench``."""
+
+    def ms(fn_and_args) -> float:
+        fn, args = fn_and_args
+        return ab.timed(fn, *args, backward=True, bench=common.bench_ms, graph=graph)
+
+    ratios = []
+    for _ in range(ALTERNATING_ROUNDS):
+        project_ms = ms(project)
+        ratios.append(ms(anchor) / project_ms)
+    return ratios
 
 
 def _ratio(x: float) -> str:
