@@ -17,6 +17,10 @@ and, for one kernel, a launch through ``kernel[grid](...)`` against one through 
 ``CompiledKernel`` that launch returned (``compiled[grid](*args)``), which skips argument
 binding and the cache-key computation. ``--smoke`` runs tiny sizes on the CPU (interpreter;
 the numbers mean nothing there).
+
+On the GPU the attention group also profiles J1's step compiled with ``torch.compile``, whose
+graph calls the custom ops: it was measured host-bound in PyTorch's custom-op and AOT wrappers
+(docs/performance.md, 2026-12-02).
 """
 
 import argparse
@@ -105,6 +109,14 @@ def attention_steps(smoke: bool):
 
     steps["JFA J1 fwd+bwd"] = jfa_j1_step
     steps["JFA J1 fwd"] = jfa_j1_forward
+    if not smoke:  # (compiling under the interpreter would only slow the smoke test down)
+        compiled = torch.compile(
+            lambda q, k, v: jagged_flash_attention(q, k, v, off1, causal=True, backend="triton"),
+            fullgraph=True,
+        )  # fmt: skip
+        steps["JFA J1 fwd+bwd, torch.compile"] = lambda: torch.autograd.grad(
+            compiled(*leaves1), leaves1, do1
+        )
 
     def empty_step():
         return torch.autograd.grad(_EmptyAttention.apply(*leaves1), leaves1, do1)

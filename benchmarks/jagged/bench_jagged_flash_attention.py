@@ -37,8 +37,8 @@ Every GPU run also prints the host's cost per call: the CPU time to issue one st
 waiting for the device (a loop of calls, no synchronisation), for the public function (with
 the forward's K/V through TMA descriptors, which Triton encodes on the host per launch, and by
 pointers; and with its launch plans off, every call checked and launched the ordinary way) and
-for the custom op with its work lists rebuilt on every call (how eager calls ran before the
-eager fast path and the work-list cache), beside the step's device time (graph replay). A step
+for the custom op with its work lists rebuilt on every call and no launch plans (how eager
+calls ran before the eager fast path, the work-list cache and the plans), beside the step's device time (graph replay). A step
 whose host time exceeds its device time is host-bound when called eagerly. (The Triton forward
 through TMA descriptors is never planned, so its column times the ordinary path.)
 """
@@ -307,7 +307,7 @@ def launch_plans(enabled: bool):
         _plan.key_of = key_of
 
 
-def host_us_without_plans(step, rounds: int = 3) -> float:
+def host_us_without_plans(step, *, rounds: int = 3) -> float:
     """Host us per step with the launch plans off: the least of ``rounds`` measurements."""
     with launch_plans(False):
         return min(host_us(step) for _ in range(rounds))
@@ -339,7 +339,8 @@ def run_host_cost(dtype, only=()) -> None:
         max_len = int(w.q_lengths.max())
 
         def custom_op(q, k, v, q_off=q_off, kv_off=kv_off, max_len=max_len, causal=w.causal):
-            """The custom op, its work lists built on every call (no cache)."""
+            """The custom op, its work lists built on every call (no cache, no launch plans:
+            timed under ``launch_plans(False)``)."""
             _worklist.clear_cache()
             return _op.attention_forward(
                 q, k, v, q_off, kv_off, None, causal, HEAD_DIM**-0.5, max_len, "triton"
@@ -353,7 +354,7 @@ def run_host_cost(dtype, only=()) -> None:
                 [w.name, "fwd+bwd" if backward else "fwd",
                  *host_us_by_forward_loads(w, _step(public, q, k, v, do, backward)),
                  host_us_without_plans(_step(public, q, k, v, do, backward)),
-                 host_us(_step(custom_op, q, k, v, do, backward)),
+                 host_us_without_plans(_step(custom_op, q, k, v, do, backward), rounds=1),
                  device_ms * 1e3, eager_ms * 1e3]
             )  # fmt: skip
     common.print_table(
