@@ -195,7 +195,8 @@ def test_backward_plan_finds_every_argument_and_launches_with_the_new_call_tenso
     the others, the 200-query sequence's key tiles split into a zeroed scratch. The plan
     recorded from one call finds each per-call argument (a call tensor, or inside the
     scratch) and leaves the work lists as recorded; replayed for another call's tensors it
-    passes their addresses and makes its own dQ, dK, dV and scratch."""
+    passes their addresses and makes its own dQ, dK, dV and scratch; it is not handed out once
+    the offsets change in place."""
     _plan.forget_all()
     monkeypatch.setattr(_plan, "current_stream", lambda device: 1)  # the key's last entry
     lq, lk = [200, 1, 5, 0, 40], [10, 3, 30, 0, 16]
@@ -222,7 +223,7 @@ def test_backward_plan_finds_every_argument_and_launches_with_the_new_call_tenso
     assert record.plannable and set(record.made) == {"dq", "dk", "dv", "delta", "scratch"}
     assert record.made["scratch"][1]  # zeroed
     _plan.remember_backward(key, record, *first[1:], out, lse, q_off, kv_off)
-    plan = _plan.backward_plan(key)
+    plan = _plan.backward_plan(key, q_off, kv_off)
     assert plan is not None
     dq_launch, dkdv_launch = (launch for launch, _ in plan.launches)
     assert set(dkdv_launch.per_call) == {
@@ -258,6 +259,9 @@ def test_backward_plan_finds_every_argument_and_launches_with_the_new_call_tenso
     assert dq_call["dq_TqNH"] == dq.data_ptr() and dq_call["q_TqNH"] == q.data_ptr()
     assert dq_call["delta_NTq"] not in (lse.data_ptr(), dq_launch_sources["delta_NTq"])
     assert sources["scratch_F"] == _plan.Source("scratch") and dkdv_call["scratch_F"] != 0
+    # Offsets changed in place: the work lists the plan keeps are no longer theirs.
+    kv_off.add_(0)
+    assert _plan.backward_plan(key, q_off, kv_off) is None
 
 
 def test_backward_plan_is_not_recorded_from_an_unknown_tensor_or_shared_addresses(monkeypatch):
@@ -287,14 +291,14 @@ def test_backward_plan_is_not_recorded_from_an_unknown_tensor_or_shared_addresse
     record = recorded(q, k, v, q_off)
     record.kept.clear()  # the work lists are no longer known to outlive the call
     _plan.remember_backward(key, record, q, k, v, out, lse, q_off, q_off)
-    assert _plan.backward_plan(key) is None
+    assert _plan.backward_plan(key, q_off, q_off) is None
     del record
     record = recorded(q, q, v, q_off)
     _plan.remember_backward(key, record, q, q, v, out, lse, q_off, q_off)
-    assert _plan.backward_plan(key) is None
+    assert _plan.backward_plan(key, q_off, q_off) is None
     record = recorded(q, k, v, q_off, dout=torch.ones(()).expand(q.shape))
     _plan.remember_backward(key, record, q, k, v, out, lse, q_off, q_off)
-    assert _plan.backward_plan(key) is not None
+    assert _plan.backward_plan(key, q_off, q_off) is not None
     del q_off, record  # the record's launches hold the offsets
     gc.collect()
     assert key not in _plan._BACKWARD_PLANS

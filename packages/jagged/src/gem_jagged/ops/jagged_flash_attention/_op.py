@@ -205,7 +205,7 @@ def planned_backward(
     """``jfa_backward``'s ``(dq, dk, dv, d_rel_bias)``: through the backward plan of ``key``
     (``_plan.BackwardPlan``) when there is one and it launches; otherwise the ordinary way,
     recording a plan under ``key`` (if not None) when its launches allow one."""
-    plan = _plan.backward_plan(key)
+    plan = _plan.backward_plan(key, q_offsets, kv_offsets)
     if plan is not None:
         grads = plan.backward(dout, q, k, v, out, lse, q_offsets, kv_offsets)
         if grads is not None:

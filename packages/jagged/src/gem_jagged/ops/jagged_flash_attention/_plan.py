@@ -39,7 +39,8 @@ what it made and what it kept; the plan is recorded only when every tensor argum
 those or a call tensor, found unambiguously (distinct, 16-byte aligned addresses, no empty
 tensor), so a temporary that a later edit adds without naming it stops the recording instead
 of being launched again stale. It is used only with dout of q's shape and dtype, 16-byte
-aligned once contiguous, on the recorded stream, with the tile tables unchanged. Measured
+aligned once contiguous, on the recorded stream, while the forward plan it was recorded with
+is the key's and serves the call's offsets (their versions, the tile tables). Measured
 (2026-12-02, seventeenth session): J1's eager step issued in 0.40-0.57 ms instead of
 0.85-1.06, below its 0.88 ms of kernels.
 """
@@ -77,17 +78,12 @@ PER_CALL_ARGS_DESCRIPTORS = (
 )  # fmt: skip
 
 
-def _config_unchanged(cfg, chosen_by) -> bool:
-    """Whether the tile tables still choose ``cfg`` (a tuning sweep or a test may change them)."""
-    return kernels.config_chosen_by(chosen_by) is cfg
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ForwardPlan:
     """What an eager forward with one key needs beyond its pointers (see the module docstring).
     ``causal`` and ``scale`` are the call's options normalised (the backward pass reads them);
     ``cfg`` is the tile table entry the launch used, which ``config_chosen_by(chosen_by)`` must
-    still hand back."""
+    still hand back (a tuning sweep or a test may change the tables)."""
 
     launch: DirectLaunch
     cfg: kernels.JaggedAttentionConfig
@@ -110,7 +106,7 @@ class ForwardPlan:
             self.q_offsets() is q_offsets
             and self.kv_offsets() is kv_offsets
             and self.versions == (q_offsets._version, kv_offsets._version)
-            and _config_unchanged(self.cfg, self.chosen_by)
+            and kernels.config_chosen_by(self.chosen_by) is self.cfg
         )
 
     def forward(self, q, k, v):
@@ -147,13 +143,14 @@ class Source(NamedTuple):
 class BackwardPlan:
     """The launches of an eager backward pass after a forward with one key (module
     docstring): each ``DirectLaunch`` with the ``Source`` of each of its per-call arguments,
-    and the tensors to make per call (name, shape, dtype, zeroed)."""
+    and the tensors to make per call (name, shape, dtype, zeroed). ``forward`` is the plan of
+    the key when it was recorded: it is used only while that plan is the key's and serves the
+    call's offsets (the same tensors, at the same versions, the tile tables unchanged), so its
+    work lists are those offsets' lists."""
 
     launches: tuple[tuple[DirectLaunch, tuple[Source, ...]], ...]
     made: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]
-    cfg: kernels.JaggedAttentionConfig
-    chosen_by: tuple
-    stream: int
+    forward: ForwardPlan
 
     def backward(self, dout, q, k, v, out, lse, q_offsets, kv_offsets):
         """``(dq, dk, dv)`` as ``jfa_backward`` returns them without a bias; None (nothing
@@ -164,8 +161,7 @@ class BackwardPlan:
             dout.shape != q.shape
             or dout.dtype != q.dtype
             or any(t.data_ptr() & 15 for t in inputs.values())
-            or current_stream(q.device.index) != self.stream
-            or not _config_unchanged(self.cfg, self.chosen_by)
+            or current_stream(q.device.index) != self.forward.stream
             or not DirectLaunch.available()
         ):
             return None
@@ -174,7 +170,7 @@ class BackwardPlan:
             for name, shape, dtype, zeroed in self.made
         }
         for launch, sources in self.launches:
-            launch(self.stream, *(_value(tensors, source) for source in sources))
+            launch(self.forward.stream, *(_value(tensors, source) for source in sources))
         return tensors["dq"], tensors["dk"], tensors["dv"]
 
 
@@ -221,9 +217,13 @@ def _sources(launch, named: dict[str, torch.Tensor], made: set[str], kept) -> di
     return sources
 
 
-def backward_plan(key) -> BackwardPlan | None:
-    """The backward plan recorded after a forward with ``key`` (None for no key)."""
-    return None if key is None else _BACKWARD_PLANS.get(key)
+def backward_plan(key, q_offsets, kv_offsets) -> BackwardPlan | None:
+    """The backward plan recorded after a forward with ``key``, if it still serves these
+    offsets (``BackwardPlan``)."""
+    plan = None if key is None else _BACKWARD_PLANS.get(key)
+    if plan is None or _PLANS.get(key) is not plan.forward:
+        return None
+    return plan if plan.forward.serves(q_offsets, kv_offsets) else None
 
 
 def remember_backward(key, recorded, q, k, v, out, lse, q_offsets, kv_offsets) -> None:
@@ -232,6 +232,8 @@ def remember_backward(key, recorded, q, k, v, out, lse, q_offsets, kv_offsets) -
     docstring); only while the forward's plan of ``key`` lives (it is forgotten with it)."""
     forward = _PLANS.get(key)
     if forward is None or not recorded.plannable or not recorded.launches:
+        return
+    if not forward.serves(q_offsets, kv_offsets):  # its work lists may be other offsets'
         return
     named = _inputs(recorded.dout, q, k, v, out, lse, q_offsets, kv_offsets)
     named |= {name: t for name, (t, _) in recorded.made.items()}
@@ -252,9 +254,7 @@ def remember_backward(key, recorded, q, k, v, out, lse, q_offsets, kv_offsets) -
         made=tuple(
             (name, tuple(t.shape), t.dtype, zeroed) for name, (t, zeroed) in recorded.made.items()
         ),
-        cfg=forward.cfg,
-        chosen_by=forward.chosen_by,
-        stream=forward.stream,
+        forward=forward,
     )
 
 
