@@ -234,7 +234,7 @@ def eager_forward(
     recorded = [] if plan_key is not None else None
     out, lse, work = jfa_forward(
         q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-        cache_work=True, descriptors=descriptors, record=recorded,
+        descriptors=descriptors, record=recorded,
     )  # fmt: skip
     if recorded:
         _plan.remember(

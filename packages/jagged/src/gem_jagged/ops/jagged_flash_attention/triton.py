@@ -901,16 +901,14 @@ def _bias_tile_args(rel_bias, q, *, rows, cols, keys_on_rows):
 
 
 def jfa_forward(
-    q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, cache_work=False, descriptors=None,
-    record=None,
-):  # fmt: skip
+    q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, descriptors=None, record=None
+):
     """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
 
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
-    reuses it instead of building it again. ``cache_work`` takes it from (or puts it in) the
-    per-offsets cache of ``gem_jagged._worklist``: only for callers that keep it private (the
-    eager path); an op that returns it to a compiler must return a fresh tensor, whose memory
-    the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
+    reuses it instead of building it again. It comes from (or goes into) the per-offsets cache
+    of ``gem_jagged._worklist``: an op that returns it to a compiler must return a copy, whose
+    memory the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
     kernels' TMA descriptors for the backward's launches (``hopper.row_descriptor``).
     ``record`` (a list, or None) receives a ``RecordedForward`` of the launch when the kernel
     read the caller's q, k and v in place, 16-byte aligned, with no bias, by pointers or (the
@@ -930,9 +928,8 @@ def jfa_forward(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
     work = query_tiles(
-        q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal,
-        cache=cache_work,
-    )  # fmt: skip
+        q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal, cache=True
+    )
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
