@@ -7,11 +7,14 @@ script), measures the project and its anchors in one run, prints one table and, 
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -70,6 +73,59 @@ def bench_ms(fn, *, warmup_ms=25, rep_ms=100) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def gpu_clocks(period_ms: int = 50):
+    """Sample the current GPU's SM clock (MHz) while the block runs, from ``nvidia-smi`` in the
+    background (reading only); the yielded list holds the samples on exit. A chip that draws
+    its power limit lowers its clock, so a kernel's time in a long loop can differ from a
+    short measurement's: the samples say so. Empty without ``nvidia-smi`` or a GPU."""
+    samples: list[float] = []
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not torch.cuda.is_available():
+        yield samples
+        return
+    monitor = subprocess.Popen(
+        [smi, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", _pci_bus_id(),
+         "-lms", str(period_ms)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        yield samples
+    finally:
+        monitor.terminate()
+        for line in monitor.communicate()[0].splitlines():
+            with contextlib.suppress(ValueError):
+                samples.append(float(line))
+
+
+def _pci_bus_id() -> str:
+    """The current GPU as nvidia-smi names it, whatever ``CUDA_VISIBLE_DEVICES`` says."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
+def mean_mhz(samples: list[float]) -> float:
+    """The mean of ``gpu_clocks``' samples; NaN when there are none."""
+    return statistics.fmean(samples) if samples else float("nan")
+
+
+def back_to_back_ms(fn, *, seconds: float, window: int = 20) -> list[float]:
+    """Call ``fn`` (device work) back to back for ``seconds`` of host time, never waiting for
+    the device in between; returns ms per call of each window of ``window`` calls (CUDA
+    events), in order."""
+    sync()
+    events, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(window):
+            fn()
+        end.record()
+        events.append((begin, end))
+    sync()
+    return [begin.elapsed_time(end) / window for begin, end in events]
 
 
 def sync() -> None:

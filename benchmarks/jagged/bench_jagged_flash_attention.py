@@ -32,6 +32,11 @@ The goals' ratios to FlexAttention (J1, J2 forward + backward) are also measured
 project then FlexAttention, five rounds of a full-length ``do_bench`` each, eager and
 graph-replayed: a drift of the GPU's clocks or temperature during the run then reaches both
 sides of every ratio, and the spread over the rounds shows how far one figure can be trusted.
+They are measured a third way as well, as a training loop of this step would run: each side's
+step replayed back to back for a second, three rounds, with the SM clock each side ran at
+(``nvidia-smi``). The H200 holds its board power to its limit by lowering the clock; a step
+that draws the limit runs slower there than in a short ``do_bench`` (docs/performance.md,
+2026-12-02, eighteenth session).
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
 waiting for the device (a loop of calls, no synchronisation), for the public function (with
@@ -140,7 +145,7 @@ def run(
     bias_note = "" if rel_bias_radius is None else f", project with rel_bias R={rel_bias_radius}"
     print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}"
           f"{bias_note} (anchors without bias)")  # fmt: skip
-    rows, headline, alternating = [], {}, []
+    rows, headline, alternating, sustained = [], {}, [], []
     for w in workloads(smoke, only):
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         project = project_fn(w, q, k, v, device, rel_bias_radius=rel_bias_radius)
@@ -201,6 +206,11 @@ def run(
                 headline[f"{w.name.lower()}_fwdbwd_{mode}_x_flex_alternating"] = float(
                     np.median(ratios)
                 )
+            rounds = sustained_rounds(fns["project"], fns["flex"])
+            sustained.append((w.name, rounds))
+            headline[f"{w.name.lower()}_fwdbwd_sustained_x_flex"] = float(
+                np.median([r.anchor_ms / r.project_ms for r in rounds])
+            )
         del fns, q, k, v, do
     common.print_table(
         f"jagged flash attention, useful TFLOP/s ({common.environment()}); "
@@ -221,6 +231,8 @@ def run(
                 for name, mode, r in alternating
             ],
         )
+    if sustained:
+        print_sustained(sustained)
     if headline:
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
@@ -246,6 +258,55 @@ def alternating_ratios(project, anchor, *, graph: bool) -> list[float]:
         project_ms = ms(project)
         ratios.append(ms(anchor) / project_ms)
     return ratios
+
+
+SUSTAINED_ROUNDS, SUSTAINED_S = 3, 1.0
+
+
+@dataclasses.dataclass
+class SustainedRound:
+    project_ms: float
+    anchor_ms: float
+    project_mhz: float  # mean SM clock while each side ran (NaN without nvidia-smi)
+    anchor_mhz: float
+
+
+def sustained_rounds(project, anchor) -> list[SustainedRound]:
+    """Forward + backward steps replayed from a CUDA graph back to back for ``SUSTAINED_S``
+    seconds a side (as a training loop of this step would run them), the project and then the
+    anchor in each round: each side's median ms over the second half, and its SM clock. The
+    H200 holds its board power to a limit by lowering the clock, and a kernel that draws the
+    limit runs slower in such a loop than in a short ``do_bench``."""
+
+    def run(fn_and_args) -> tuple[float, float]:
+        fn, (q, k, v, do) = fn_and_args
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        replay = common.cuda_graph_of(lambda: torch.autograd.grad(fn(*leaves), leaves, do))
+        with common.gpu_clocks() as clocks:
+            windows = common.back_to_back_ms(replay, seconds=SUSTAINED_S)
+        return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks)
+
+    rounds = []
+    for _ in range(SUSTAINED_ROUNDS):
+        project_ms, project_mhz = run(project)
+        anchor_ms, anchor_mhz = run(anchor)
+        rounds.append(SustainedRound(project_ms, anchor_ms, project_mhz, anchor_mhz))
+    return rounds
+
+
+def print_sustained(sustained) -> None:
+    rows = [
+        [name, i + 1, f"{r.project_ms:.4f}", f"{r.project_mhz:.0f}", f"{r.anchor_ms:.4f}",
+         f"{r.anchor_mhz:.0f}", _ratio(r.anchor_ms / r.project_ms)]
+        for name, rounds in sustained
+        for i, r in enumerate(rounds)
+    ]  # fmt: skip
+    common.print_table(
+        f"forward + backward replayed back to back for {SUSTAINED_S:g} s a side, alternately "
+        "(median ms of the second half; mean SM MHz from nvidia-smi)",
+        ["workload", "round", "project ms", "project MHz", "flex ms", "flex MHz", "x flex"],
+        rows,
+    )
 
 
 def _ratio(x: float) -> str:

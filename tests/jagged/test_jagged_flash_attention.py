@@ -51,12 +51,14 @@ def _run(tensors, q_off, kv_off, *, causal, backend, dtype, **kwargs):
     return [out, *grads], list(leaves)
 
 
-def _fp64_truth(tensors, q_off, kv_off, *, causal):
-    """Autograd straight through the reference function in fp64 (not through the custom op)."""
+def _fp64_truth(tensors, q_off, kv_off, *, causal, scale=None):
+    """Autograd straight through the reference function in fp64 (not through the custom op);
+    ``scale`` None is the default 1/√D."""
     leaves = {n: t.detach().double().requires_grad_() for n, t in tensors.items() if n != "do"}
     out, _ = jagged_flash_attention_reference(
         leaves["q"], leaves["k"], leaves["v"], q_off, kv_off, causal=causal,
-        scale=1.0 / math.sqrt(tensors["q"].shape[-1]), rel_bias=leaves.get("rel_bias"),
+        scale=1.0 / math.sqrt(tensors["q"].shape[-1]) if scale is None else scale,
+        rel_bias=leaves.get("rel_bias"),
     )  # fmt: skip
     if out.numel() == 0 or not out.requires_grad:
         return [out, *(torch.zeros_like(t) for t in leaves.values())]
@@ -870,6 +872,29 @@ def test_hopper_kernels_match_fp64_within_reference_error(
     # Same inputs, same math, another schedule: within a few bf16/fp16 steps of Triton's.
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, triton_results, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])
+def test_hopper_kernels_take_any_scale(monkeypatch, scale):
+    """The forward takes each block's row maximum of the raw scores times the scale's sign
+    (``SCALE_SIGN``): a larger scale than the default, a negative one and zero."""
+    lq = [1, 63, 64, 65, 700, 0, 1500]
+    tensors, q_off, kv_off = _case(
+        lq, lq, heads=2, head_dim=128, radius=None, seed=7, dtype=torch.float64, device="cuda"
+    )
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=True, scale=scale)
+    ref, names = _run(
+        tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16,
+        scale=scale,
+    )  # fmt: skip
+    launches = _use_hopper(monkeypatch, enabled=True)
+    got, _ = _run(
+        tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16, scale=scale
+    )
+    assert _all_ran(launches), launches
+    _assert_results_within_reference_error(got, ref, truth, names)
 
 
 @pytest.mark.gpu

@@ -194,7 +194,7 @@ def launch_forward(
     )  # fmt: skip
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        NUM_STAGES=num_stages, num_warps=num_warps,
+        SCALE_SIGN=-1 if scale < 0 else 1, NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
     compiled = _jfa_fwd_hopper_kernel[grid](*args, **constexprs)
     return Launch(_jfa_fwd_hopper_kernel, compiled, grid, args, constexprs)

@@ -29,21 +29,32 @@ from ._common import (
 @gluon.jit
 def _online_softmax_step(
     s_MN, m_M, l_M, rows_M, block_start, full_stop, k_len, diag, qk_scale_log2,
-    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, LHS_LAYOUT: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALE_SIGN: gl.constexpr, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr,
+    LHS_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    """One key block of the online softmax: ``(P as an MMA left operand, α, m, l)``. Blocks
-    from ``full_stop`` on cross the causal diagonal or the sequence's end and are masked; a
-    row that has seen no key keeps ``m = −inf`` safely."""
-    s_MN = s_MN * qk_scale_log2
+    """One key block of the online softmax over raw scores ``s_MN`` (before the scale ``c`` =
+    ``qk_scale_log2``): ``(P as an MMA left operand, α, m, l)``, with ``m`` the running row
+    maximum of ``s · c``. Blocks from ``full_stop`` on cross the causal diagonal or the
+    sequence's end and are masked; a row that has seen no key keeps ``m = −inf`` safely.
+
+    In the other blocks the maximum is taken of the raw scores, ``max(s · c) = c · max(s · σ) ·
+    σ`` with ``σ = SCALE_SIGN`` the sign of ``c`` (exact: rounding is monotone), so that each
+    exponent ``s · c − m`` is one fused multiply-add instead of a multiply and a subtraction."""
     if block_start >= full_stop:
+        s_MN = s_MN * qk_scale_log2
         cols_N = block_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_MN.type.layout))
         visible_MN = (cols_N < k_len)[None, :] & (rows_M >= 0)[:, None]
         if CAUSAL:
             visible_MN = visible_MN & (cols_N[None, :] <= rows_M[:, None] + diag)
         s_MN = gl.where(visible_MN, s_MN, float("-inf"))
-    m_new_M = gl.maximum(m_M, gl.max(s_MN, axis=1))
-    m_use_M = gl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-    p_MN = gl.exp2(s_MN - m_use_M[:, None])
+        m_new_M = gl.maximum(m_M, gl.max(s_MN, axis=1))
+        m_use_M = gl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+        p_MN = gl.exp2(s_MN - m_use_M[:, None])
+    else:
+        block_max_M = gl.max(s_MN * SCALE_SIGN, axis=1) * (qk_scale_log2 * SCALE_SIGN)
+        m_new_M = gl.maximum(m_M, block_max_M)
+        m_use_M = m_new_M  # finite: every score of the block is visible
+        p_MN = gl.exp2(s_MN * qk_scale_log2 - m_use_M[:, None])
     alpha_M = gl.exp2(m_M - m_use_M)
     l_M = l_M * alpha_M + gl.sum(p_MN, axis=1)
     return gl.convert_layout(p_MN.to(DTYPE), LHS_LAYOUT), alpha_M, m_new_M, l_M
@@ -55,7 +66,7 @@ def _jfa_fwd_hopper_kernel(
     q_offsets_Bp1, kv_offsets_Bp1, work_5W,
     num_heads, total_q, qk_scale_log2, stride_q,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    SCALE_SIGN: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(BLOCK_M == 16 * num_warps, "one 16-row wgmma slice of the query tile per warp")
     gl.static_assert(NUM_STAGES >= 2, "the ring must hold the block in use and the next")
@@ -117,7 +128,7 @@ def _jfa_fwd_hopper_kernel(
         s_MN = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores_MN, use_acc=False)
         p_lhs, alpha_M, m_M, l_M = _online_softmax_step(
             s_MN, m_M, l_M, rows_M, 0, full_stop, k_len, diag, qk_scale_log2,
-            CAUSAL, BLOCK_N, dtype, lhs_op_layout,
+            CAUSAL, SCALE_SIGN, BLOCK_N, dtype, lhs_op_layout,
         )  # fmt: skip
         # Stage 2 (blocks 1 …): Sⱼ and Pⱼ₋₁ Vⱼ₋₁ on the tensor cores together; Sⱼ's softmax runs
         # while Pⱼ₋₁ Vⱼ₋₁ finishes; then O is rescaled and block j − 1's ring slot refilled.
@@ -135,7 +146,7 @@ def _jfa_fwd_hopper_kernel(
             s_MN = warpgroup_mma_wait(num_outstanding=1, deps=(s_MN,))
             p_next, alpha_M, m_M, l_M = _online_softmax_step(
                 s_MN, m_M, l_M, rows_M, j * BLOCK_N, full_stop, k_len, diag, qk_scale_log2,
-                CAUSAL, BLOCK_N, dtype, lhs_op_layout,
+                CAUSAL, SCALE_SIGN, BLOCK_N, dtype, lhs_op_layout,
             )  # fmt: skip
             acc_MH, p_lhs = warpgroup_mma_wait(num_outstanding=0, deps=(acc_MH, p_lhs))
             acc_MH = acc_MH * gl.convert_layout(alpha_M, gl.SliceLayout(1, acc_layout))[:, None]
