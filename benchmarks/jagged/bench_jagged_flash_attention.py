@@ -36,7 +36,8 @@ They are measured a third way as well, as a training loop of this step would run
 step replayed back to back for a second, three rounds, with the SM clock each side ran at
 (``nvidia-smi``). The H200 holds its board power to its limit by lowering the clock; a step
 that draws the limit runs slower there than in a short ``do_bench`` (docs/performance.md,
-2026-12-02, eighteenth session).
+2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
+per step over the loop, in ``jfa_sustained.png`` under ``$OUT`` (or the current directory).
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
 waiting for the device (a loop of calls, no synchronisation), for the public function (with
@@ -53,6 +54,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -233,6 +235,8 @@ def run(
         )
     if sustained:
         print_sustained(sustained)
+        folder = Path(os.environ.get("OUT", "."))
+        print(plot_sustained(sustained, folder, title=common.environment()))
     if headline:
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
@@ -260,15 +264,17 @@ def alternating_ratios(project, anchor, *, graph: bool) -> list[float]:
     return ratios
 
 
-SUSTAINED_ROUNDS, SUSTAINED_S = 3, 1.0
+SUSTAINED_ROUNDS, SUSTAINED_S, SUSTAINED_WINDOW = 3, 1.0, 20  # rounds, seconds a side, steps
 
 
 @dataclasses.dataclass
 class SustainedRound:
-    project_ms: float
+    project_ms: float  # median ms per step over the second half
     anchor_ms: float
     project_mhz: float  # mean SM clock while each side ran (NaN without nvidia-smi)
     anchor_mhz: float
+    project_windows: list[float]  # ms per step of each window of steps, in order
+    anchor_windows: list[float]
 
 
 def sustained_rounds(project, anchor) -> list[SustainedRound]:
@@ -278,20 +284,57 @@ def sustained_rounds(project, anchor) -> list[SustainedRound]:
     H200 holds its board power to a limit by lowering the clock, and a kernel that draws the
     limit runs slower in such a loop than in a short ``do_bench``."""
 
-    def run(fn_and_args) -> tuple[float, float]:
+    def run(fn_and_args) -> tuple[float, float, list[float]]:
         fn, (q, k, v, do) = fn_and_args
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         replay = common.cuda_graph_of(lambda: torch.autograd.grad(fn(*leaves), leaves, do))
         with common.gpu_clocks() as clocks:
-            windows = common.back_to_back_ms(replay, seconds=SUSTAINED_S)
-        return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks)
+            windows = common.back_to_back_ms(replay, seconds=SUSTAINED_S, window=SUSTAINED_WINDOW)
+        return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks), windows
 
     rounds = []
     for _ in range(SUSTAINED_ROUNDS):
-        project_ms, project_mhz = run(project)
-        anchor_ms, anchor_mhz = run(anchor)
-        rounds.append(SustainedRound(project_ms, anchor_ms, project_mhz, anchor_mhz))
+        project_ms, project_mhz, project_windows = run(project)
+        anchor_ms, anchor_mhz, anchor_windows = run(anchor)
+        rounds.append(
+            SustainedRound(
+                project_ms, anchor_ms, project_mhz, anchor_mhz, project_windows, anchor_windows
+            )
+        )
     return rounds
+
+
+def plot_sustained(sustained, folder: Path, *, title: str) -> str:
+    """ms per step against the time spent in steps so far, the first round of each workload:
+    the project's step slows as the chip reaches its power limit, the anchor's need not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    fig, axes = plt.subplots(1, len(sustained), figsize=(6 * len(sustained), 4), squeeze=False)
+    for ax, (name, rounds) in zip(axes[0], sustained, strict=True):
+        first = rounds[0]
+        for label, windows, mhz in (
+            ("project", first.project_windows, first.project_mhz),
+            ("FlexAttention", first.anchor_windows, first.anchor_mhz),
+        ):
+            elapsed_s = np.cumsum(windows) * SUSTAINED_WINDOW / 1e3
+            ax.plot(elapsed_s, windows, label=f"{label} (mean {mhz:.0f} MHz)")
+        ax.set_title(f"{name} forward + backward", fontsize=9)
+        ax.set_xlabel("time in steps so far (s)")
+        ax.set_ylabel("ms per step")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    heading = f"steps replayed back to back: {title}"
+    fig.suptitle(textwrap.fill(heading, width=int(75 * len(sustained))), fontsize=9)
+    fig.tight_layout()
+    path = folder / "jfa_sustained.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
 
 
 def print_sustained(sustained) -> None:

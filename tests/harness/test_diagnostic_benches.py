@@ -47,6 +47,22 @@ def test_kernel_breakdown_groups_kernels_by_stage_and_plots(tmp_path):
         assert (tmp_path / "kernel_breakdown.png").stat().st_size > 0
 
 
+def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    import bench_jagged_flash_attention as bench
+
+    windows = dict(project_windows=[0.81, 0.85, 0.9, 0.91], anchor_windows=[1.7, 1.68, 1.68])
+    rounds = [bench.SustainedRound(0.905, 1.68, 1720.0, 1975.0, **windows)]
+    message = bench.plot_sustained([("J1", rounds), ("J2", rounds)], tmp_path, title="t")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert message == "matplotlib not installed: no plot"
+    else:
+        assert (tmp_path / "jfa_sustained.png").stat().st_size > 0
+
+
 def test_diagnostic_benchmarks_refuse_a_count_below_one():
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "jagged/bench_kernel_breakdown.py"), "--steps", "0"],
