@@ -8,6 +8,8 @@ script), measures the project and its anchors in one run, prints one table and, 
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import json
 import math
 import os
@@ -104,6 +106,38 @@ def _pci_bus_id() -> str:
     """The current GPU as nvidia-smi names it, whatever ``CUDA_VISIBLE_DEVICES`` says."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
+def gpu_energy_mj() -> float:
+    """The current GPU's energy counter (mJ since the driver loaded) from NVML, read only: the
+    difference over a loop of steps, divided by their count, is the energy of a step. NaN
+    where there is no GPU, no NVML or no counter."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    handle = _nvml_handle(_pci_bus_id())
+    if handle is None:
+        return float("nan")
+    nvml, device = handle
+    energy = ctypes.c_ulonglong()
+    if nvml.nvmlDeviceGetTotalEnergyConsumption(device, ctypes.byref(energy)) != 0:
+        return float("nan")
+    return float(energy.value)
+
+
+@functools.cache
+def _nvml_handle(pci_bus_id: str):
+    """(NVML library, device handle) of the GPU at ``pci_bus_id``, or None."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    device = ctypes.c_void_p()
+    if (
+        nvml.nvmlInit_v2() != 0
+        or nvml.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(device)) != 0
+    ):
+        return None
+    return nvml, device
 
 
 def mean_mhz(samples: list[float]) -> float:

@@ -275,6 +275,8 @@ class SustainedRound:
     anchor_mhz: float
     project_windows: list[float]  # ms per step of each window of steps, in order
     anchor_windows: list[float]
+    project_mj: float  # energy per step (NVML's counter; NaN without it)
+    anchor_mj: float
 
 
 def sustained_rounds(project, anchor) -> list[SustainedRound]:
@@ -284,23 +286,27 @@ def sustained_rounds(project, anchor) -> list[SustainedRound]:
     H200 holds its board power to a limit by lowering the clock, and a kernel that draws the
     limit runs slower in such a loop than in a short ``do_bench``."""
 
-    def run(fn_and_args) -> tuple[float, float, list[float]]:
+    def run(fn_and_args) -> tuple[float, float, list[float], float]:
         fn, (q, k, v, do) = fn_and_args
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         replay = common.cuda_graph_of(lambda: torch.autograd.grad(fn(*leaves), leaves, do))
+        start_mj = common.gpu_energy_mj()
         with common.gpu_clocks() as clocks:
             windows = common.back_to_back_ms(replay, seconds=SUSTAINED_S, window=SUSTAINED_WINDOW)
-        return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks), windows
+        step_mj = (common.gpu_energy_mj() - start_mj) / (len(windows) * SUSTAINED_WINDOW)
+        median_ms = float(np.median(windows[len(windows) // 2 :]))
+        return median_ms, common.mean_mhz(clocks), windows, step_mj
 
     rounds = []
     for _ in range(SUSTAINED_ROUNDS):
-        project_ms, project_mhz, project_windows = run(project)
-        anchor_ms, anchor_mhz, anchor_windows = run(anchor)
+        project_ms, project_mhz, project_windows, project_mj = run(project)
+        anchor_ms, anchor_mhz, anchor_windows, anchor_mj = run(anchor)
         rounds.append(
             SustainedRound(
-                project_ms, anchor_ms, project_mhz, anchor_mhz, project_windows, anchor_windows
+                project_ms, anchor_ms, project_mhz, anchor_mhz, project_windows, anchor_windows,
+                project_mj, anchor_mj,
             )
-        )
+        )  # fmt: skip
     return rounds
 
 
@@ -339,15 +345,27 @@ def plot_sustained(sustained, folder: Path, *, title: str) -> str:
 
 def print_sustained(sustained) -> None:
     rows = [
-        [name, i + 1, f"{r.project_ms:.4f}", f"{r.project_mhz:.0f}", f"{r.anchor_ms:.4f}",
-         f"{r.anchor_mhz:.0f}", _ratio(r.anchor_ms / r.project_ms)]
+        [name, i + 1, f"{r.project_ms:.4f}", f"{r.project_mhz:.0f}", f"{r.project_mj:.0f}",
+         f"{r.anchor_ms:.4f}", f"{r.anchor_mhz:.0f}", f"{r.anchor_mj:.0f}",
+         _ratio(r.anchor_ms / r.project_ms)]
         for name, rounds in sustained
         for i, r in enumerate(rounds)
     ]  # fmt: skip
     common.print_table(
         f"forward + backward replayed back to back for {SUSTAINED_S:g} s a side, alternately "
-        "(median ms of the second half; mean SM MHz from nvidia-smi)",
-        ["workload", "round", "project ms", "project MHz", "flex ms", "flex MHz", "x flex"],
+        "(median ms of the second half; mean SM MHz from nvidia-smi; mJ per step from NVML's "
+        "energy counter)",
+        [
+            "workload",
+            "round",
+            "project ms",
+            "project MHz",
+            "project mJ",
+            "flex ms",
+            "flex MHz",
+            "flex mJ",
+            "x flex",
+        ],
         rows,
     )
 

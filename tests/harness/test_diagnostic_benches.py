@@ -1,10 +1,12 @@
 """The diagnostic benchmarks run (``--smoke``: tiny sizes on the CPU, interpreted kernels)."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -53,7 +55,11 @@ def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
     import bench_jagged_flash_attention as bench
 
     windows = dict(project_windows=[0.81, 0.85, 0.9, 0.91], anchor_windows=[1.7, 1.68, 1.68])
-    rounds = [bench.SustainedRound(0.905, 1.68, 1720.0, 1975.0, **windows)]
+    rounds = [
+        bench.SustainedRound(
+            0.905, 1.68, 1720.0, 1975.0, **windows, project_mj=620.0, anchor_mj=1018.0
+        )
+    ]
     message = bench.plot_sustained([("J1", rounds), ("J2", rounds)], tmp_path, title="t")
     try:
         import matplotlib  # noqa: F401
@@ -61,6 +67,18 @@ def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
         assert message == "matplotlib not installed: no plot"
     else:
         assert (tmp_path / "jfa_sustained.png").stat().st_size > 0
+
+
+def test_gpu_readings_are_nan_or_empty_without_a_gpu():
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert math.isnan(common.gpu_energy_mj())
+    with common.gpu_clocks() as samples:
+        pass
+    assert samples == [] and math.isnan(common.mean_mhz(samples))
 
 
 def test_diagnostic_benchmarks_refuse_a_count_below_one():
