@@ -20,7 +20,8 @@ the numbers mean nothing there).
 
 On the GPU the attention group also profiles J1's step compiled with ``torch.compile``, whose
 graph calls the custom ops: it was measured host-bound in PyTorch's custom-op and AOT wrappers
-(docs/performance.md, 2026-12-02).
+(docs/performance.md, 2026-12-02), and a last table splits its host time into the ops'
+implementations and the rest (``custom_op_share``).
 """
 
 import argparse
@@ -28,6 +29,7 @@ import cProfile
 import os
 import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +66,9 @@ def top_functions(step, calls: int, count: int) -> list[str]:
             f"x{ncalls / calls:<5.3g} {name} ({where[-60:]})"
         )
     return lines
+
+
+COMPILED_J1 = "JFA J1 fwd+bwd, torch.compile"
 
 
 def attention_steps(smoke: bool):
@@ -114,15 +119,64 @@ def attention_steps(smoke: bool):
             lambda q, k, v: jagged_flash_attention(q, k, v, off1, causal=True, backend="triton"),
             fullgraph=True,
         )  # fmt: skip
-        steps["JFA J1 fwd+bwd, torch.compile"] = lambda: torch.autograd.grad(
-            compiled(*leaves1), leaves1, do1
-        )
+        steps[COMPILED_J1] = lambda: torch.autograd.grad(compiled(*leaves1), leaves1, do1)
 
     def empty_step():
         return torch.autograd.grad(_EmptyAttention.apply(*leaves1), leaves1, do1)
 
     steps["autograd floor: empty Function, J1 fwd+bwd"] = empty_step
     return steps
+
+
+def custom_op_share(step, calls: int) -> dict[str, float]:
+    """Host µs per call of ``step`` (e.g. a compiled step, whose graph calls the JFA custom
+    ops), of it the µs inside each op's implementation, and that implementation called
+    directly with the op's last arguments. What is left of the step is PyTorch's (the compiled
+    graph's runtime, autograd, the dispatcher). Where the implementation takes longer inside
+    the step than called directly, the same Python runs slower there (docs/performance.md,
+    2026-12-02, eighteenth session)."""
+    from gem_jagged.ops.jagged_flash_attention import _op
+
+    spent: dict[str, float] = {}
+    last_call: dict[str, tuple] = {}
+    patched = []
+    for name, op in (
+        ("forward op", _op.attention_forward),
+        ("backward op", _op.attention_backward),
+    ):
+        for device_type, fn in list(op._backend_fns.items()):
+
+            def timed(*args, _fn=fn, _name=name, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
+                    last_call[_name] = (_fn, args, kwargs)
+
+            op._backend_fns[device_type] = timed
+            patched.append((op._backend_fns, device_type, fn))
+    try:
+        step()
+        common.sync()
+        spent.clear()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        result = {"step": (time.perf_counter() - start) / calls * 1e6}
+        common.sync()
+    finally:
+        for fns, device_type, fn in patched:
+            fns[device_type] = fn
+    for name, seconds in spent.items():
+        fn, args, kwargs = last_call[name]
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        result[f"{name}, inside the step"] = seconds / calls * 1e6
+        result[f"{name}, called directly"] = (time.perf_counter() - start) / calls * 1e6
+        common.sync()
+    return result
 
 
 class _EmptyAttention(torch.autograd.Function):
@@ -232,6 +286,14 @@ def run(smoke: bool, top: int, only: str) -> None:
     common.print_table(
         "eager calls: host vs wall (us per call)", ["call", "host us", "wall us"], rows
     )
+    compiled = steps.get(COMPILED_J1)
+    if compiled is not None:
+        share = custom_op_share(compiled, calls)
+        common.print_table(
+            f"{COMPILED_J1}: host us per step, and inside the custom ops' implementations",
+            ["what", "host us"],
+            [[what, us] for what, us in share.items()],
+        )
     common.print_table(
         "one kernel (rmsnorm_mx), launch paths (us per call)",
         ["path", "host us", "wall us"],

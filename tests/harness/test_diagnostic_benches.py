@@ -69,6 +69,32 @@ def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
         assert (tmp_path / "jfa_sustained.png").stat().st_size > 0
 
 
+def test_custom_op_share_times_the_ops_implementations_and_restores_them():
+    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    import host_profile
+    from gem_jagged import jagged_flash_attention
+    from gem_jagged.ops.jagged_flash_attention import _op
+
+    before = [dict(op._backend_fns) for op in (_op.attention_forward, _op.attention_backward)]
+    offsets = torch.tensor([0, 3, 8])
+    leaves = [torch.randn(8, 2, 32, requires_grad=True) for _ in range(3)]
+
+    def step():  # the reference backend always goes through the custom ops
+        out = jagged_flash_attention(*leaves, offsets, causal=True, backend="reference")
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    share = host_profile.custom_op_share(step, 3)
+    assert set(share) == {
+        "step", *(f"{op} op, {where}" for op in ("forward", "backward")
+                  for where in ("inside the step", "called directly")),
+    }  # fmt: skip
+    assert all(us > 0 for us in share.values())
+    assert share["forward op, inside the step"] < share["step"]
+    after = [dict(op._backend_fns) for op in (_op.attention_forward, _op.attention_backward)]
+    assert after == before
+
+
 def test_gpu_readings_are_nan_or_empty_without_a_gpu():
     sys.path.insert(0, str(BENCHMARKS))
     import common
