@@ -282,14 +282,16 @@ class SustainedRound:
 def sustained_rounds(project, anchor) -> list[SustainedRound]:
     """Forward + backward steps replayed from a CUDA graph back to back for ``SUSTAINED_S``
     seconds a side (as a training loop of this step would run them), the project and then the
-    anchor in each round: each side's median ms over the second half, and its SM clock. The
-    H200 holds its board power to a limit by lowering the clock, and a kernel that draws the
-    limit runs slower in such a loop than in a short ``do_bench``."""
+    anchor in each round: each side's median ms over the second half, its SM clock and its
+    energy per step. The H200 holds its board power to a limit by lowering the clock, and a
+    kernel that draws the limit runs slower in such a loop than in a short ``do_bench``."""
 
-    def run(fn_and_args) -> tuple[float, float, list[float], float]:
+    def replay_of(fn_and_args):
         fn, (q, k, v, do) = fn_and_args
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        replay = common.cuda_graph_of(lambda: torch.autograd.grad(fn(*leaves), leaves, do))
+        return common.cuda_graph_of(lambda: torch.autograd.grad(fn(*leaves), leaves, do))
+
+    def run(replay) -> tuple[float, float, list[float], float]:
         start_mj = common.gpu_energy_mj()
         with common.gpu_clocks() as clocks:
             windows = common.back_to_back_ms(replay, seconds=SUSTAINED_S, window=SUSTAINED_WINDOW)
@@ -297,10 +299,11 @@ def sustained_rounds(project, anchor) -> list[SustainedRound]:
         median_ms = float(np.median(windows[len(windows) // 2 :]))
         return median_ms, common.mean_mhz(clocks), windows, step_mj
 
+    project_replay, anchor_replay = replay_of(project), replay_of(anchor)
     rounds = []
     for _ in range(SUSTAINED_ROUNDS):
-        project_ms, project_mhz, project_windows, project_mj = run(project)
-        anchor_ms, anchor_mhz, anchor_windows, anchor_mj = run(anchor)
+        project_ms, project_mhz, project_windows, project_mj = run(project_replay)
+        anchor_ms, anchor_mhz, anchor_windows, anchor_mj = run(anchor_replay)
         rounds.append(
             SustainedRound(
                 project_ms, anchor_ms, project_mhz, anchor_mhz, project_windows, anchor_windows,
