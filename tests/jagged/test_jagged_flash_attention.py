@@ -897,6 +897,54 @@ def test_hopper_kernels_take_any_scale(monkeypatch, scale):
     _assert_results_within_reference_error(got, ref, truth, names)
 
 
+def _rising_and_falling_keys(lq, *, head_dim, device):
+    """A self-attention case whose keys change size block by block (32 keys a block), so that
+    each row's running maximum keeps moving and O is rescaled at nearly every key block: by
+    small steps in sequences 0, 4, … (the rows' earlier keys keep a say), by steps of 2¹⁰ or
+    more in 1, 5, … (they lose it); keys shrink in 2, 6, … (the maximum stays after the first
+    block) and stay as drawn in 3, 7, …."""
+    tensors, q_off, kv_off = _case(
+        lq, lq, heads=2, head_dim=head_dim, radius=None, seed=11, dtype=torch.float64,
+        device=device,
+    )  # fmt: skip
+    growth = []
+    for i, length in enumerate(lq):
+        blocks = torch.arange(length, device=device, dtype=torch.float64) // 32
+        rate = (0.3, 4.0, 0.3, 0.0)[i % 4]
+        growth.append(1 + rate * (blocks.flip(0) if i % 4 == 2 else blocks))
+    tensors["k"] = tensors["k"] * torch.cat(growth)[:, None, None]
+    return tensors, q_off, kv_off
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_kernels_follow_row_maxima_that_rise_block_by_block(causal):
+    tensors, q_off, kv_off = _rising_and_falling_keys([150, 70, 96, 1], head_dim=32, device="cpu")
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
+    ref, names = _run(
+        tensors, q_off, kv_off, causal=causal, backend="reference", dtype=torch.float16
+    )
+    got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=torch.float16)
+    _assert_results_within_reference_error(got, ref, truth, names)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_hopper_kernels_follow_row_maxima_that_rise_block_by_block(monkeypatch, head_dim, causal):
+    tensors, q_off, kv_off = _rising_and_falling_keys(
+        [1500, 65, 700, 1], head_dim=head_dim, device="cuda"
+    )
+    truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
+    ref, names = _run(
+        tensors, q_off, kv_off, causal=causal, backend="reference", dtype=torch.bfloat16
+    )
+    launches = _use_hopper(monkeypatch, enabled=True)
+    got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=torch.bfloat16)
+    assert _all_ran(launches), launches
+    _assert_results_within_reference_error(got, ref, truth, names)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("stages", [2, 3])
