@@ -4,8 +4,12 @@ Triton compiles ahead of time for any target it knows, and its wheel ships ``ptx
 swaps in a driver that reports an sm_90 device, turns every launch into a compile-only warm-up,
 runs the ops' launchers on CPU tensors (with the GPU tile configs and code paths, such as the
 low-precision kernels' hardware fp8 conversion, not the interpreter's), and prints each kernel's
-registers per thread, spilled bytes and shared memory as ``ptxas -v`` reports them. A kernel
-that does not compile for sm_90 fails here, without device time.
+registers per thread, spilled bytes and shared memory as ``ptxas -v`` reports them, and whether
+``ptxas`` serialized the kernel's asynchronous MMAs (its advisory C7514: each ``wgmma`` then
+waits for the one before, which undoes a hand-written pipeline; a Gluon forward that issued
+the next block's scores before the softmax ran 1.29-1.37x slower so, docs/performance.md,
+2026-12-02, nineteenth session). A kernel that does not compile for sm_90 fails here, without
+device time.
 
 The numbers are this machine's Triton's: the GPU image may run another version, whose code
 generation differs. They are a guide to register pressure (spills), not a measurement of speed.
@@ -130,8 +134,13 @@ def gpu_configs() -> _Patches:
     )
 
 
+# ptxas's advisory when it makes every wgmma of a kernel wait for the previous one
+WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized due to (.*?) in the function")
+
+
 def ptxas_usage(kernel) -> dict:
-    """Registers, spill bytes (stores, loads) and shared bytes of one compiled kernel."""
+    """Registers, spill bytes (stores, loads), shared bytes and why its wgmmas were serialized
+    (None if they were not) of one compiled kernel."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -143,11 +152,13 @@ def ptxas_usage(kernel) -> dict:
     text = report.stdout + report.stderr
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    serialized = WGMMA_SERIALIZED.search(text)
     return {
         "registers": int(registers.group(1)) if registers else None,
         "spill_stores": int(spills.group(1)) if spills else None,
         "spill_loads": int(spills.group(2)) if spills else None,
         "shared": kernel.metadata.shared,
+        "wgmma_serialized": serialized.group(1).strip() if serialized else None,
     }
 
 
@@ -313,11 +324,21 @@ def main(argv=None) -> int:
         for kernel_name, kernel in compiled:
             rows.append((name, kernel_name, ptxas_usage(kernel)))
     print(f"\ntriton {triton.__version__}, target sm_90a")
-    print("| op | kernel | registers | spill stores / loads (bytes) | shared (bytes) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| op | kernel | registers | spill stores / loads (bytes) | shared (bytes) "
+        "| wgmma serialized |"
+    )
+    print("|---|---|---|---|---|---|")
     for op, kernel_name, use in rows:
         spills = f"{use['spill_stores']} / {use['spill_loads']}"
-        print(f"| {op} | {kernel_name} | {use['registers']} | {spills} | {use['shared']} |")
+        serialized = "yes" if use["wgmma_serialized"] else "no"
+        print(
+            f"| {op} | {kernel_name} | {use['registers']} | {spills} | {use['shared']} "
+            f"| {serialized} |"
+        )
+    for op, kernel_name, use in rows:
+        if use["wgmma_serialized"]:
+            print(f"{op} {kernel_name}: wgmma serialized ({use['wgmma_serialized']})")
     if failed:
         print(f"\nfailed to compile: {', '.join(failed)}")
     return 1 if failed else 0

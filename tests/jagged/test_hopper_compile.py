@@ -4,6 +4,7 @@ configs and code paths, checked on a machine without a GPU through
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -31,3 +32,7 @@ def test_kernels_compile_for_sm90():
         assert f"| {kernel} |" in done.stdout, kernel
     assert "| jfa_bias | _jfa_dq_kernel |" in done.stdout
     assert "| jfa_hopper | _jfa_dkdv_hopper_kernel |" in done.stdout
+    # The Gluon kernels pipeline their MMAs by hand: ptxas must not serialize them (C7514).
+    for kernel in ("_jfa_fwd_hopper_kernel", "_jfa_dq_hopper_kernel", "_jfa_dkdv_hopper_kernel"):
+        rows = re.findall(rf"^\| \w+ \| {kernel} \|.*\| (yes|no) \|$", done.stdout, re.MULTILINE)
+        assert rows and set(rows) == {"no"}, (kernel, rows)
