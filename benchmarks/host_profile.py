@@ -133,8 +133,9 @@ def custom_op_share(step, calls: int) -> dict[str, float]:
     ops), of it the µs inside each op's implementation, and that implementation called
     directly with the op's last arguments. What is left of the step is PyTorch's (the compiled
     graph's runtime, autograd, the dispatcher). Where the implementation takes longer inside
-    the step than called directly, the same Python runs slower there (docs/performance.md,
-    2026-12-02, eighteenth session)."""
+    the step than called directly, the same Python runs slower there: on torch 2.11 any Python
+    inside a compiled region ran about 1.7x slower, a toy op's loop too (docs/performance.md,
+    2026-12-02, eighteenth and nineteenth sessions)."""
     from gem_jagged.ops.jagged_flash_attention import _op
 
     spent: dict[str, float] = {}

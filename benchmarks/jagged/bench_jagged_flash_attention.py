@@ -34,7 +34,7 @@ graph-replayed: a drift of the GPU's clocks or temperature during the run then r
 sides of every ratio, and the spread over the rounds shows how far one figure can be trusted.
 They are measured a third way as well, as a training loop of this step would run: each side's
 step replayed back to back for a second, three rounds, with the SM clock each side ran at
-(``nvidia-smi``). The H200 holds its board power to its limit by lowering the clock; a step
+(``nvidia-smi``) and its energy per step (NVML's counter, read only). The H200 holds its board power to its limit by lowering the clock; a step
 that draws the limit runs slower there than in a short ``do_bench`` (docs/performance.md,
 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
 per step over the loop, in ``jfa_sustained.png`` under ``$OUT`` (or the current directory).
@@ -44,7 +44,8 @@ waiting for the device (a loop of calls, no synchronisation), for the public fun
 the forward's K/V through TMA descriptors, which Triton encodes on the host per launch, and by
 pointers; and with its launch plans off, every call checked and launched the ordinary way) and
 for the custom op with its work lists rebuilt on every call and no launch plans (how eager
-calls ran before the eager fast path, the work-list cache and the plans), beside the step's device time (graph replay). A step
+calls ran before the eager fast path, the work-list cache and the plans), beside the step's
+device time (graph replay). A step
 whose host time exceeds its device time is host-bound when called eagerly. (The Triton forward
 through TMA descriptors is never planned, so its column times the ordinary path.)
 """
