@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     [
         ("host_profile.py", ["--top", "3"], "launch paths"),
         ("jagged/bench_kernel_breakdown.py", ["--only", "J3"], "kernel time per fwd+bwd step"),
+        ("jagged/bench_energy.py", ["--rounds", "1"], "energy per call, CPU smoke run"),
     ],
 )
 def test_diagnostic_benchmark_smoke_runs(script, args, expected):
@@ -115,3 +116,12 @@ def test_diagnostic_benchmarks_refuse_a_count_below_one():
     )  # fmt: skip
     assert result.returncode == 2
     assert "argument --steps: expected an integer >= 1, got '0'" in result.stderr
+
+
+def test_energy_bench_counts_the_tile_pairs_a_causal_kernel_computes():
+    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    import bench_energy
+
+    # tiles per sequence 0, 1, 1, 2, 2, 3 -> t(t+1)/2 pairs: 0 + 1 + 1 + 3 + 3 + 6
+    assert bench_energy.computed_tile_pairs([0, 1, 64, 65, 128, 129]) == 14

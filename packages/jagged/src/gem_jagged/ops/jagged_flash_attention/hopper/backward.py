@@ -151,7 +151,6 @@ def _jfa_dkdv_hopper_kernel(
         # Stage 3: Pᵀ from the saved log-sum-exp, then dV += Pᵀ dO while dPᵀ finishes.
         lse_M = lse_smem.index(j % NUM_STAGES).load(stats_layout)
         lse_M = gl.where(row_ok_M, lse_M, float("inf"))  # rows past the end read zeros
-        delta_M = delta_smem.index(j % NUM_STAGES).load(stats_layout)
         p_NM = gl.exp2(s_NM * qk_scale_log2 - (lse_M * LOG2E)[None, :])
         if CAUSAL:
             if block_start < mask_stop:
@@ -161,6 +160,10 @@ def _jfa_dkdv_hopper_kernel(
         dp_NM = warpgroup_mma_wait(num_outstanding=1, deps=(dp_NM,))
 
         # Stage 4: dSᵀ and dK += dSᵀ Q; both accumulators settle before the ring slot is reused.
+        # δ is read here rather than with the log-sum-exp: ptxas spills 16 bytes instead of
+        # 48, and J1's step ran 1.0-1.8% faster in 1 s loops (docs/performance.md, twentieth
+        # session).
+        delta_M = delta_smem.index(j % NUM_STAGES).load(stats_layout)
         ds_NM = p_NM * (dp_NM - delta_M[None, :])
         ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
         dk_NH = warpgroup_mma(ds_lhs, q_MH, dk_NH, is_async=True)

@@ -1,0 +1,138 @@
+"""Energy per FLOP of J1's attention steps against a bf16 matrix product, at the power limit.
+
+An H200 holds its board power to a limit (700 W) by lowering its clock, so in a loop of steps
+that draws the limit, a step's time follows its energy. This benchmark says where a step's
+energy stands against the tensor cores' own: each case is replayed from a CUDA graph back to
+back for ``--seconds`` (``--rounds`` rounds, cases alternating) and reported as ms per call
+(median of the second half), mean SM clock, mJ per call (NVML's energy counter, read only),
+mean watts, pJ per computed and per useful FLOP, and computed TFLOP/s. Cases:
+
+- ``gemm``: a bf16 8192 x 8192 x 8192 product, the tensor cores with the least work around them;
+- ``project fwd`` and ``project fwd+bwd``: the project's J1 steps. Computed FLOPs count the
+  64 x 64 tiles the kernels compute (causal self-attention: t(t+1)/2 tile pairs for a sequence
+  of t tiles) and the products over them: 2 in the forward (S, PV), 9 in forward + backward
+  (dK/dV: S, dP, dV, dK; dQ recomputes S and dP for dQ). Useful FLOPs count the pairs
+  (4·N·D per pair forward, 3.5x that for forward + backward, as the other benchmarks do);
+- ``flex fwd`` and ``flex fwd+bwd``: FlexAttention with a document + causal mask, useful FLOPs
+  only (its tiling is its own).
+
+    python benchmarks/jagged/bench_energy.py [--seconds 1] [--rounds 2]
+
+``--smoke`` runs tiny lengths on the CPU (Triton interpreter, eager Flex forward only; no energy
+there), to check that the script runs.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_bench as ab  # noqa: E402
+import bench_jagged_flash_attention as bj  # noqa: E402
+import common  # noqa: E402
+
+TILE = 64  # the kernels' query and key tiles at head dim 128 (hopper/__init__.py)
+GEMM_SIZE = 8192
+
+
+def computed_tile_pairs(lengths) -> int:
+    """64 x 64 tile pairs a causal self-attention over ``lengths`` computes."""
+    tiles = -(-np.asarray(lengths, dtype=np.int64) // TILE)
+    return int((tiles * (tiles + 1) // 2).sum())
+
+
+def cases(smoke: bool) -> dict[str, tuple]:
+    """name -> (call, computed FLOPs or None, useful FLOPs or None)."""
+    (w,) = bj.workloads(smoke, ("J1",))
+    device, dtype, heads, head_dim = ab.setup(smoke, bj.HEADS, bj.HEAD_DIM)
+    q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    project = bj.project_fn(w, q, k, v, device)
+    mask = ab.document_mask(w.q_lengths, w.kv_lengths, device, causal=True)
+    flex = ab.flex_fn(mask, len(q), len(k), device=device, smoke=smoke)
+    product = 2 * TILE * TILE * head_dim * heads * computed_tile_pairs(w.q_lengths)
+    useful = 4 * heads * head_dim * w.pairs()
+    size = 64 if smoke else GEMM_SIZE
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+
+    def forward(fn):
+        def call():
+            with torch.no_grad():
+                fn(q, k, v)
+
+        return call
+
+    def forward_backward(fn):
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
+
+    found = {
+        "gemm": (lambda: a @ b, 2 * size**3, None),
+        "project fwd": (forward(project), 2 * product, useful),
+        "project fwd+bwd": (forward_backward(project), 9 * product, 3.5 * useful),
+        "flex fwd": (forward(flex), None, useful),
+        "flex fwd+bwd": (forward_backward(flex), None, 3.5 * useful),
+    }
+    if smoke:
+        del found["flex fwd+bwd"]  # FlexAttention has no backward on the CPU
+    return found
+
+
+def run_for(call, seconds: float) -> tuple[float, float, float]:
+    """(ms per call, mean SM MHz, mJ per call) of ``call`` back to back for ``seconds``; on
+    the CPU, two timed calls and no clock or energy."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for _ in range(2):
+            call()
+        return (time.perf_counter() - start) / 2 * 1e3, float("nan"), float("nan")
+    window = 10
+    start_mj = common.gpu_energy_mj()
+    with common.gpu_clocks() as clocks:
+        windows = common.back_to_back_ms(call, seconds=seconds, window=window)
+    mj = (common.gpu_energy_mj() - start_mj) / (len(windows) * window)
+    return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks), mj
+
+
+def per_flop(mj: float, flops: float | None) -> str:
+    return "-" if flops is None or np.isnan(mj) else f"{mj * 1e9 / flops:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0, help="per case and round")
+    parser.add_argument("--rounds", type=common.positive_int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    args = parser.parse_args()
+    found = cases(args.smoke)
+    graphed = torch.cuda.is_available()
+    calls = {name: common.cuda_graph_of(c[0]) if graphed else c[0] for name, c in found.items()}
+    rows = []
+    for round_ in range(1, args.rounds + 1):
+        for name, (_, computed, useful) in found.items():
+            ms, mhz, mj = run_for(calls[name], args.seconds)
+            print(f"round {round_}: {name} done", file=sys.stderr, flush=True)
+            rows.append([
+                round_, name, f"{ms:.4f}", f"{mhz:.0f}", f"{mj:.1f}", f"{mj / ms:.0f}",
+                per_flop(mj, computed), per_flop(mj, useful),
+                "-" if computed is None else f"{common.tflops(computed, ms):.0f}",
+            ])  # fmt: skip
+    common.print_table(
+        f"energy per call, {'graph replays back to back' if graphed else 'CPU smoke run'}"
+        f" ({common.environment()})",
+        ["round", "case", "ms", "SM MHz", "mJ", "W", "pJ / computed FLOP", "pJ / useful FLOP",
+         "computed TFLOP/s"],
+        rows,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
