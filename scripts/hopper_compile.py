@@ -135,7 +135,9 @@ def gpu_configs() -> _Patches:
 
 
 # ptxas's advisory when it makes every wgmma of a kernel wait for the previous one
-WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized due to (.*?) in the function")
+WGMMA_SERIALIZED = re.compile(
+    r"wgmma\.mma_async instructions are serialized due to (.*?) in the function"
+)
 
 
 def ptxas_usage(kernel) -> dict:

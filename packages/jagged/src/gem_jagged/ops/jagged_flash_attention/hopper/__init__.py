@@ -14,12 +14,14 @@ Forward (one program per query tile and head, 2 per SM at head dim 128):
         O ·= α; refill block j − 1's slot
     O += Pₙ₋₁ Vₙ₋₁; O / l, and the log-sum-exp
 
-Measured and dropped here (docs/performance.md, 2026-12-02, nineteenth session): rescaling O
-only in the blocks where some row's maximum moved by more than 2⁸ (FlashAttention-4's lazy
-rescaling; the per-block reduction across the warps made the forward 4-5% slower), and issuing
-Sⱼ₊₁ before Sⱼ's softmax with Sⱼ₊₁ still in flight across the loop's back edge (ptxas then
-serializes every MMA, advisory C7514: 1.29-1.37x slower; ``scripts/hopper_compile.py`` reports
-the advisory).
+Measured and dropped here (docs/performance.md, 2026-12-02, nineteenth and twentieth
+sessions): rescaling O only in the blocks where some row's maximum moved by more than 2⁸
+(FlashAttention-4's lazy rescaling; the per-block reduction across the warps made the forward
+4-5% slower); issuing Sⱼ₊₁ before Sⱼ's softmax with Sⱼ₊₁ still in flight across the loop's
+back edge (ptxas then serializes every MMA, advisory C7514: 1.29-1.37x slower;
+``scripts/hopper_compile.py`` reports the advisory); the same with both MMAs waited for at the
+end of each step (no advisory, but 5.5-6.6% slower: the other program on the SM already fills
+the tensor cores during a softmax); and Q in registers (no measurable change).
 
 dK/dV (one program per key tile, query-range chunk and head):
 
