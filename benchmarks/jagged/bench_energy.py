@@ -14,7 +14,11 @@ mean watts, pJ per computed and per useful FLOP, and computed TFLOP/s. Cases:
   (dK/dV: S, dP, dV, dK; dQ recomputes S and dP for dQ). Useful FLOPs count the pairs
   (4·N·D per pair forward, 3.5x that for forward + backward, as the other benchmarks do);
 - ``flex fwd`` and ``flex fwd+bwd``: FlexAttention with a document + causal mask, useful FLOPs
-  only (its tiling is its own).
+  only (its tiling is its own);
+- ``project bwd (difference)``: forward + backward minus forward, per round.
+
+Where matplotlib is installed it draws the medians as bars in ``energy_per_flop.png`` under
+``$OUT`` (or the current folder).
 
     python benchmarks/jagged/bench_energy.py [--seconds 1] [--rounds 2]
 
@@ -26,6 +30,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -102,8 +107,70 @@ def run_for(call, seconds: float) -> tuple[float, float, float]:
     return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks), mj
 
 
-def per_flop(mj: float, flops: float | None) -> str:
-    return "-" if flops is None or np.isnan(mj) else f"{mj * 1e9 / flops:.3f}"
+@dataclass
+class Measured:
+    """One case in one round; ``computed`` and ``useful`` are FLOPs (None: not counted)."""
+
+    round: int
+    case: str
+    ms: float
+    mhz: float
+    mj: float
+    computed: float | None
+    useful: float | None
+
+    def pj_per(self, flops: float | None) -> float:
+        return float("nan") if flops is None else self.mj * 1e9 / flops
+
+
+def with_backward(measured: list[Measured]) -> list[Measured]:
+    """``measured`` plus, per round, the backward alone: forward + backward minus forward (time,
+    energy, FLOPs; the clock is not separable and stays NaN)."""
+    out = list(measured)
+    for round_ in sorted({m.round for m in measured}):
+        got = {m.case: m for m in measured if m.round == round_}
+        if "project fwd" in got and "project fwd+bwd" in got:
+            f, fb = got["project fwd"], got["project fwd+bwd"]
+            out.append(Measured(
+                round_, "project bwd (difference)", fb.ms - f.ms, float("nan"), fb.mj - f.mj,
+                fb.computed - f.computed, fb.useful - f.useful,
+            ))  # fmt: skip
+    return sorted(out, key=lambda m: m.round)
+
+
+def plot(measured: list[Measured], folder: Path, *, title: str) -> str:
+    """Bars of pJ per computed FLOP (the tensor cores' work as done) and per useful FLOP (the
+    pairs the workload asks for), each case's median over the rounds."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    cases = list(dict.fromkeys(m.case for m in measured))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(cases) + 1.6), sharey=True)
+    for ax, label, flops_of in (
+        (axes[0], "pJ per computed FLOP", lambda m: m.computed),
+        (axes[1], "pJ per useful FLOP", lambda m: m.useful),
+    ):
+        values = [
+            float(np.median([m.pj_per(flops_of(m)) for m in measured if m.case == case]))
+            for case in cases
+        ]
+        colors = ["tab:orange" if case.startswith("flex") else "tab:blue" for case in cases]
+        ax.barh(cases, np.nan_to_num(values), color=colors)
+        for y, value in enumerate(values):
+            if not np.isnan(value):
+                ax.text(value, y, f" {value:.2f}", va="center", fontsize=8)
+        ax.set_xlabel(label)
+    axes[0].invert_yaxis()  # the axes share y: cases top to bottom in measuring order
+    fig.suptitle(f"J1 and a bf16 GEMM at the power limit: {title}", fontsize=9)
+    fig.tight_layout()
+    path = folder / "energy_per_flop.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
 
 
 def main() -> None:
@@ -115,23 +182,31 @@ def main() -> None:
     found = cases(args.smoke)
     graphed = torch.cuda.is_available()
     calls = {name: common.cuda_graph_of(c[0]) if graphed else c[0] for name, c in found.items()}
-    rows = []
+    measured = []
     for round_ in range(1, args.rounds + 1):
         for name, (_, computed, useful) in found.items():
             ms, mhz, mj = run_for(calls[name], args.seconds)
             print(f"round {round_}: {name} done", file=sys.stderr, flush=True)
-            rows.append([
-                round_, name, f"{ms:.4f}", f"{mhz:.0f}", f"{mj:.1f}", f"{mj / ms:.0f}",
-                per_flop(mj, computed), per_flop(mj, useful),
-                "-" if computed is None else f"{common.tflops(computed, ms):.0f}",
-            ])  # fmt: skip
+            measured.append(Measured(round_, name, ms, mhz, mj, computed, useful))
+    measured = with_backward(measured)
+
+    def cell(value: float, digits: int) -> str:
+        return "-" if np.isnan(value) else f"{value:.{digits}f}"
+
+    rows = [
+        [m.round, m.case, f"{m.ms:.4f}", cell(m.mhz, 0), cell(m.mj, 1), cell(m.mj / m.ms, 0),
+         cell(m.pj_per(m.computed), 3), cell(m.pj_per(m.useful), 3),
+         "-" if m.computed is None else f"{common.tflops(m.computed, m.ms):.0f}"]
+        for m in measured
+    ]  # fmt: skip
+    title = common.environment()
     common.print_table(
-        f"energy per call, {'graph replays back to back' if graphed else 'CPU smoke run'}"
-        f" ({common.environment()})",
+        f"energy per call, {'graph replays back to back' if graphed else 'CPU smoke run'} ({title})",
         ["round", "case", "ms", "SM MHz", "mJ", "W", "pJ / computed FLOP", "pJ / useful FLOP",
          "computed TFLOP/s"],
         rows,
     )  # fmt: skip
+    print(plot(measured, Path(os.environ.get("OUT", ".")), title=title))
 
 
 if __name__ == "__main__":

@@ -125,3 +125,26 @@ def test_energy_bench_counts_the_tile_pairs_a_causal_kernel_computes():
 
     # tiles per sequence 0, 1, 1, 2, 2, 3 -> t(t+1)/2 pairs: 0 + 1 + 1 + 3 + 3 + 6
     assert bench_energy.computed_tile_pairs([0, 1, 64, 65, 128, 129]) == 14
+
+
+def test_energy_bench_derives_the_backward_and_plots(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    import bench_energy
+
+    measured = [
+        bench_energy.Measured(1, "gemm", 1.6, 1536.0, 1144.0, 1.1e12, None),
+        bench_energy.Measured(1, "project fwd", 0.24, 1770.0, 164.0, 9.2e10, 8.5e10),
+        bench_energy.Measured(1, "project fwd+bwd", 0.88, 1720.0, 630.0, 4.1e11, 3.0e11),
+    ]
+    (backward,) = [m for m in bench_energy.with_backward(measured) if "bwd (difference)" in m.case]
+    assert (backward.ms, backward.mj) == pytest.approx((0.64, 466.0))
+    assert backward.pj_per(backward.computed) == pytest.approx(466.0e9 / 3.18e11)
+    assert math.isnan(backward.mhz) and math.isnan(measured[0].pj_per(None))
+    message = bench_energy.plot(bench_energy.with_backward(measured), tmp_path, title="t")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert message == "matplotlib not installed: no plot"
+    else:
+        assert (tmp_path / "energy_per_flop.png").stat().st_size > 0
