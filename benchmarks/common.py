@@ -249,6 +249,32 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
 
 
+NO_MATPLOTLIB = "matplotlib not installed: no plot"
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (the Agg backend), or None where matplotlib is
+    not installed: the benchmarks then print ``NO_MATPLOTLIB`` instead of a plot's path."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path) -> str:
+    """Lay ``fig`` out, write it to ``path`` (120 dpi) and close it; returns the line to print."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
 def record(benchmark: str, **row) -> None:
     """Append one summary row for the GPU runner's final table."""
     path = os.environ.get("GEMKIT_RESULTS")

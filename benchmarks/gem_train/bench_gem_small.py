@@ -483,13 +483,9 @@ def plot(
 ) -> str:
     """``name`` in ``folder``: QPS (log scale when the rows span more than 10×) and E2E MFU per
     variant of one run; ``title`` defaults to this machine's environment."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: no plot"
+    plt = common.pyplot()
+    if plt is None:
+        return common.NO_MATPLOTLIB
     measured = {n: v for n, v in by_variant.items() if not math.isnan(v[0])}
     if not measured:
         return "no variant finished: no plot"
@@ -507,11 +503,7 @@ def plot(
     ax_mfu.legend(loc="lower right", fontsize=8)
     ax_qps.invert_yaxis()
     fig.suptitle(f"A2 gem-small, one run: {title or common.environment()}", fontsize=9)
-    fig.tight_layout()
-    path = folder / name
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
+    return common.save_figure(fig, folder / name)
 
 
 if __name__ == "__main__":

@@ -141,13 +141,9 @@ def with_backward(measured: list[Measured]) -> list[Measured]:
 def plot(measured: list[Measured], folder: Path, *, title: str) -> str:
     """Bars of pJ per computed FLOP (the tensor cores' work as done) and per useful FLOP (the
     pairs the workload asks for), each case's median over the rounds."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: no plot"
+    plt = common.pyplot()
+    if plt is None:
+        return common.NO_MATPLOTLIB
     cases = list(dict.fromkeys(m.case for m in measured))
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(cases) + 1.6), sharey=True)
     for ax, label, flops_of in (
@@ -166,11 +162,7 @@ def plot(measured: list[Measured], folder: Path, *, title: str) -> str:
         ax.set_xlabel(label)
     axes[0].invert_yaxis()  # the axes share y: cases top to bottom in measuring order
     fig.suptitle(f"J1 and a bf16 GEMM at the power limit: {title}", fontsize=9)
-    fig.tight_layout()
-    path = folder / "energy_per_flop.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
+    return common.save_figure(fig, folder / "energy_per_flop.png")
 
 
 def main() -> None:

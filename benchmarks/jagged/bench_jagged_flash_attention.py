@@ -317,13 +317,9 @@ def sustained_rounds(project, anchor) -> list[SustainedRound]:
 def plot_sustained(sustained, folder: Path, *, title: str) -> str:
     """ms per step against the time spent in steps so far, the first round of each workload:
     the project's step slows as the chip reaches its power limit, the anchor's need not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: no plot"
+    plt = common.pyplot()
+    if plt is None:
+        return common.NO_MATPLOTLIB
     fig, axes = plt.subplots(1, len(sustained), figsize=(6 * len(sustained), 4), squeeze=False)
     for ax, (name, rounds) in zip(axes[0], sustained, strict=True):
         first = rounds[0]
@@ -340,11 +336,7 @@ def plot_sustained(sustained, folder: Path, *, title: str) -> str:
         ax.legend(fontsize=8)
     heading = f"steps replayed back to back: {title}"
     fig.suptitle(textwrap.fill(heading, width=int(75 * len(sustained))), fontsize=9)
-    fig.tight_layout()
-    path = folder / "jfa_sustained.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
+    return common.save_figure(fig, folder / "jfa_sustained.png")
 
 
 def print_sustained(sustained) -> None:

@@ -66,13 +66,9 @@ def part_of(kernel: str) -> str:
 def plot(steps: dict[str, list[tuple[str, float]]], folder: Path, *, title: str) -> str:
     """Stacked bars of device µs per fwd+bwd step, one bar a step, one segment a stage;
     ``steps`` maps a step's label to its (kernel, µs) rows."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: no plot"
+    plt = common.pyplot()
+    if plt is None:
+        return common.NO_MATPLOTLIB
     labels = list(steps)
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(labels) + 1.4))
     left = [0.0] * len(labels)
@@ -84,11 +80,7 @@ def plot(steps: dict[str, list[tuple[str, float]]], folder: Path, *, title: str)
     ax.set_xlabel("device µs per forward + backward step")
     ax.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"kernel time per step: {title}", fontsize=9)
-    fig.tight_layout()
-    path = folder / "kernel_breakdown.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
+    return common.save_figure(fig, folder / "kernel_breakdown.png")
 
 
 def run(smoke: bool, radius: int, steps: int, only: tuple[str, ...]) -> None:

@@ -296,13 +296,9 @@ def largest_batch(model, args, device, dtype, deadline):
 
 
 def plot(points, path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: no plot"
+    plt = common.pyplot()
+    if plt is None:
+        return common.NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in points.items():
         pts = sorted(p for p in pts if not math.isnan(p[0]))
@@ -312,9 +308,7 @@ def plot(points, path: Path) -> str:
     ax.set_ylabel("step time (ms)")
     ax.set_title(f"AutoAC vs activation_memory_budget\nattention: {ATTENTION}", fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+    return common.save_figure(fig, path)
 
 
 def main():
