@@ -11,7 +11,7 @@ mean watts, pJ per computed and per useful FLOP, and computed TFLOP/s. Cases:
 - ``project fwd`` and ``project fwd+bwd``: the project's J1 steps. Computed FLOPs count the
   64 x 64 tiles the kernels compute (causal self-attention: t(t+1)/2 tile pairs for a sequence
   of t tiles) and the products over them: 2 in the forward (S, PV), 9 in forward + backward
-  (dK/dV: S, dP, dV, dK; dQ recomputes S and dP for dQ). Useful FLOPs count the pairs
+  (dK/dV: S, dP, dV, dK; the dQ kernel: S and dP again, and dQ). Useful FLOPs count the pairs
   (4·N·D per pair forward, 3.5x that for forward + backward, as the other benchmarks do);
 - ``flex fwd`` and ``flex fwd+bwd``: FlexAttention with a document + causal mask, useful FLOPs
   only (its tiling is its own);
