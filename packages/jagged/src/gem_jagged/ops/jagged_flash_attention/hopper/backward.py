@@ -160,9 +160,9 @@ def _jfa_dkdv_hopper_kernel(
         dp_NM = warpgroup_mma_wait(num_outstanding=1, deps=(dp_NM,))
 
         # Stage 4: dSᵀ and dK += dSᵀ Q; both accumulators settle before the ring slot is reused.
-        # δ is read here rather than with the log-sum-exp: ptxas spills 16 bytes instead of
-        # 48, and J1's step ran 1.0-1.8% faster in 1 s loops (docs/performance.md, twentieth
-        # session).
+        # δ is read here rather than with the log-sum-exp: ptxas spills nothing instead of 32
+        # bytes (Triton 3.6; 16 instead of 48 with 3.8), and J1's step ran 1.0-1.8% faster in
+        # 1 s loops (docs/performance.md, twentieth session).
         delta_M = delta_smem.index(j % NUM_STAGES).load(stats_layout)
         ds_NM = p_NM * (dp_NM - delta_M[None, :])
         ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
