@@ -9,6 +9,7 @@ script), measures the project and its anchors in one run, prints one table and, 
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import math
@@ -160,6 +161,27 @@ def back_to_back_ms(fn, *, seconds: float, window: int = 20) -> list[float]:
         events.append((begin, end))
     sync()
     return [begin.elapsed_time(end) / window for begin, end in events]
+
+
+@dataclasses.dataclass
+class Sustained:
+    """``fn`` run back to back for a while (``sustained``)."""
+
+    ms: float  # median ms per call over the second half of the windows
+    mhz: float  # mean SM clock meanwhile (NaN without nvidia-smi)
+    mj: float  # energy per call (NVML's counter; NaN without it)
+    windows: list[float]  # ms per call of each window of calls, in order
+
+
+def sustained(fn, *, seconds: float, window: int) -> Sustained:
+    """``fn`` (device work) back to back for ``seconds`` with its SM clock and energy per call:
+    how a loop of this work runs once the chip holds its board power to its limit."""
+    start_mj = gpu_energy_mj()
+    with gpu_clocks() as clocks:
+        windows = back_to_back_ms(fn, seconds=seconds, window=window)
+    mj = (gpu_energy_mj() - start_mj) / (len(windows) * window)
+    ms = float(np.median(windows[len(windows) // 2 :]))
+    return Sustained(ms, mean_mhz(clocks), mj, windows)
 
 
 def sync() -> None:

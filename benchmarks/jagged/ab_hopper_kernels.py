@@ -101,13 +101,8 @@ def compare(w, variants: dict, *, rounds: int, sustained: int) -> None:
     rows = []
     for r in range(sustained):
         for name, (_, fb) in built.items():
-            start = common.gpu_energy_mj()
-            with common.gpu_clocks() as clocks:
-                windows = common.back_to_back_ms(fb, seconds=1.0, window=20)
-            mj = (common.gpu_energy_mj() - start) / (len(windows) * 20)
-            ms_step = float(np.median(windows[len(windows) // 2 :]))
-            rows.append([w.name, r + 1, name, f"{ms_step:.4f}", f"{common.mean_mhz(clocks):.0f}",
-                         f"{mj:.0f}"])  # fmt: skip
+            run = common.sustained(fb, seconds=1.0, window=20)
+            rows.append([w.name, r + 1, name, f"{run.ms:.4f}", f"{run.mhz:.0f}", f"{run.mj:.0f}"])
     common.print_table(
         f"{w.name}: forward + backward back to back for 1 s a side",
         ["workload", "round", "variant", "ms", "SM MHz", "mJ per step"], rows,

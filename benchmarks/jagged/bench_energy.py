@@ -99,12 +99,8 @@ def run_for(call, seconds: float) -> tuple[float, float, float]:
         for _ in range(2):
             call()
         return (time.perf_counter() - start) / 2 * 1e3, float("nan"), float("nan")
-    window = 10
-    start_mj = common.gpu_energy_mj()
-    with common.gpu_clocks() as clocks:
-        windows = common.back_to_back_ms(call, seconds=seconds, window=window)
-    mj = (common.gpu_energy_mj() - start_mj) / (len(windows) * window)
-    return float(np.median(windows[len(windows) // 2 :])), common.mean_mhz(clocks), mj
+    run = common.sustained(call, seconds=seconds, window=10)
+    return run.ms, run.mhz, run.mj
 
 
 @dataclass

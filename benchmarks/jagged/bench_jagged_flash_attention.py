@@ -34,9 +34,9 @@ graph-replayed: a drift of the GPU's clocks or temperature during the run then r
 sides of every ratio, and the spread over the rounds shows how far one figure can be trusted.
 They are measured a third way as well, as a training loop of this step would run: each side's
 step replayed back to back for a second, three rounds, with the SM clock each side ran at
-(``nvidia-smi``) and its energy per step (NVML's counter, read only). The H200 holds its board power to its limit by lowering the clock; a step
-that draws the limit runs slower there than in a short ``do_bench`` (docs/performance.md,
-2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
+(``nvidia-smi``) and its energy per step (NVML's counter, read only). The H200 holds its board
+power to its limit by lowering the clock; a step that draws the limit runs slower there than
+in a short ``do_bench`` (docs/performance.md, 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
 per step over the loop, in ``jfa_sustained.png`` under ``$OUT`` (or the current directory).
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
@@ -292,25 +292,14 @@ def sustained_rounds(project, anchor) -> list[SustainedRound]:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         return common.cuda_graph_of(lambda: torch.autograd.grad(fn(*leaves), leaves, do))
 
-    def run(replay) -> tuple[float, float, list[float], float]:
-        start_mj = common.gpu_energy_mj()
-        with common.gpu_clocks() as clocks:
-            windows = common.back_to_back_ms(replay, seconds=SUSTAINED_S, window=SUSTAINED_WINDOW)
-        step_mj = (common.gpu_energy_mj() - start_mj) / (len(windows) * SUSTAINED_WINDOW)
-        median_ms = float(np.median(windows[len(windows) // 2 :]))
-        return median_ms, common.mean_mhz(clocks), windows, step_mj
+    def run(replay) -> common.Sustained:
+        return common.sustained(replay, seconds=SUSTAINED_S, window=SUSTAINED_WINDOW)
 
     project_replay, anchor_replay = replay_of(project), replay_of(anchor)
     rounds = []
     for _ in range(SUSTAINED_ROUNDS):
-        project_ms, project_mhz, project_windows, project_mj = run(project_replay)
-        anchor_ms, anchor_mhz, anchor_windows, anchor_mj = run(anchor_replay)
-        rounds.append(
-            SustainedRound(
-                project_ms, anchor_ms, project_mhz, anchor_mhz, project_windows, anchor_windows,
-                project_mj, anchor_mj,
-            )
-        )  # fmt: skip
+        p, a = run(project_replay), run(anchor_replay)
+        rounds.append(SustainedRound(p.ms, a.ms, p.mhz, a.mhz, p.windows, a.windows, p.mj, a.mj))
     return rounds
 
 

@@ -1,5 +1,6 @@
 """The diagnostic benchmarks run (``--smoke``: tiny sizes on the CPU, interpreted kernels)."""
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -148,3 +149,23 @@ def test_energy_bench_derives_the_backward_and_plots(tmp_path):
         assert message == "matplotlib not installed: no plot"
     else:
         assert (tmp_path / "energy_per_flop.png").stat().st_size > 0
+
+
+def test_sustained_reads_time_clock_and_energy_per_call(monkeypatch):
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    energy = iter([1000.0, 1600.0])  # mJ at the start and at the end
+    monkeypatch.setattr(common, "gpu_energy_mj", lambda: next(energy))
+    monkeypatch.setattr(common, "back_to_back_ms", lambda fn, *, seconds, window: [1, 2, 3, 4])
+
+    @contextlib.contextmanager
+    def clocks():
+        samples = []
+        yield samples
+        samples.extend([1700.0, 1720.0])
+
+    monkeypatch.setattr(common, "gpu_clocks", clocks)
+    run = common.sustained(lambda: None, seconds=1.0, window=10)
+    # median of the second half of the windows; 600 mJ over 4 windows of 10 calls
+    assert (run.ms, run.mhz, run.mj, run.windows) == (3.5, 1710.0, 15.0, [1, 2, 3, 4])
