@@ -169,3 +169,25 @@ def test_sustained_reads_time_clock_and_energy_per_call(monkeypatch):
     run = common.sustained(lambda: None, seconds=1.0, window=10)
     # median of the second half of the windows; 600 mJ over 4 windows of 10 calls
     assert (run.ms, run.mhz, run.mj, run.windows) == (3.5, 1710.0, 15.0, [1, 2, 3, 4])
+
+
+def test_back_to_back_loop_is_sized_by_the_first_windows_device_time(monkeypatch):
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    class Event:  # every window of calls takes 40 ms on the "device"
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 40.0
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(common, "sync", lambda: None)
+    windows = common.back_to_back_ms(lambda: calls.append(1), seconds=1.0, window=20)
+    # 1 s of device time at 40 ms a window: 25 windows of 20 calls, the sizing window included
+    assert (windows, len(calls)) == ([2.0] * 25, 500)
