@@ -12,6 +12,16 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def assert_plotted(message: str, path: Path) -> None:
+    """The figure at ``path`` was drawn, or, without matplotlib, the message says why not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert message == "matplotlib not installed: no plot"
+    else:
+        assert path.stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     ("script", "args", "expected"),
     [
@@ -43,12 +53,7 @@ def test_kernel_breakdown_groups_kernels_by_stage_and_plots(tmp_path):
     }
     assert {name: breakdown.part_of(name) for name in names} == names
     message = breakdown.plot({"J3 gdpa": [("_gdpa_fwd_seq_kernel", 67.0)]}, tmp_path, title="t")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert message == "matplotlib not installed: no plot"
-    else:
-        assert (tmp_path / "kernel_breakdown.png").stat().st_size > 0
+    assert_plotted(message, tmp_path / "kernel_breakdown.png")
 
 
 def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
@@ -63,12 +68,7 @@ def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
         )
     ]
     message = bench.plot_sustained([("J1", rounds), ("J2", rounds)], tmp_path, title="t")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert message == "matplotlib not installed: no plot"
-    else:
-        assert (tmp_path / "jfa_sustained.png").stat().st_size > 0
+    assert_plotted(message, tmp_path / "jfa_sustained.png")
 
 
 def test_custom_op_share_times_the_ops_implementations_and_restores_them():
@@ -143,12 +143,7 @@ def test_energy_bench_derives_the_backward_and_plots(tmp_path):
     assert backward.pj_per(backward.computed) == pytest.approx(466.0e9 / 3.18e11)
     assert math.isnan(backward.mhz) and math.isnan(measured[0].pj_per(None))
     message = bench_energy.plot(bench_energy.with_backward(measured), tmp_path, title="t")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert message == "matplotlib not installed: no plot"
-    else:
-        assert (tmp_path / "energy_per_flop.png").stat().st_size > 0
+    assert_plotted(message, tmp_path / "energy_per_flop.png")
 
 
 def test_sustained_reads_time_clock_and_energy_per_call(monkeypatch):
