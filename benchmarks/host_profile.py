@@ -226,8 +226,7 @@ def linear_steps(smoke: bool):
 
 def launch_paths(smoke: bool, calls: int) -> list[list]:
     """Host us of one kernel launched through the JIT function and through its CompiledKernel."""
-    from gem_lowprec.formats import elem_format
-    from gem_lowprec.ops.mx_quantize.triton import format_constants
+    from gem_lowprec.codec import elem_format
     from gem_lowprec.ops.rmsnorm_mx import triton as kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,7 +240,7 @@ def launch_paths(smoke: bool, calls: int) -> list[list]:
     grid = (triton.cdiv(m, block_m), 1, 1)
     constexprs = dict(
         BLOCK_M=block_m, NB=n // 32, RCEIL=True, HW_CONVERT=False, IN_BF16=True, W_BF16=True,
-        STORE_Y=False, WIDE_INDEX=False, **format_constants(elem_format(torch.float8_e4m3fn)),
+        STORE_Y=False, WIDE_INDEX=False, **elem_format(torch.float8_e4m3fn).kernel_constants,
     )  # fmt: skip
     args = (x, w, data, scale, y, m, n, 1e-6)
 

@@ -109,9 +109,6 @@ def gpu_configs() -> _Patches:
     from gem_jagged.ops.gdpa import triton as gdpa
     from gem_jagged.ops.jagged_flash_attention import hopper
     from gem_jagged.ops.jagged_flash_attention import triton as jfa
-    from gem_lowprec.ops.fp8_cast import triton as fp8_cast
-    from gem_lowprec.ops.mx_quantize import triton as mx
-    from gem_lowprec.ops.rmsnorm_mx import triton as rmsnorm_mx
 
     config_for, tiles_for, act_code = jfa.config_for, gdpa.default_tiles, gdpa.activation_code
     properties = type("Properties", (), {"multi_processor_count": SM_COUNT})()
@@ -125,11 +122,6 @@ def gpu_configs() -> _Patches:
         ),
         (gdpa, "activation_code", lambda act, dtype, device: act_code(act, dtype, FAKE_CUDA)),
         (hopper, "on_hopper", lambda t: True),  # the rest of hopper.supported as it is
-        (fp8_cast, "_on_gpu", lambda x: True),
-        (mx, "default_tiles", lambda device: mx.GPU_TILES),
-        (mx, "use_hw_convert", lambda x, force_integer: not force_integer),
-        (rmsnorm_mx, "use_hw_convert", lambda x, force_integer: not force_integer),
-        (rmsnorm_mx, "INTERPRETER_TILES", rmsnorm_mx.GPU_TILES),
         (torch.cuda, "get_device_properties", lambda device=None: properties),
     )
 
@@ -254,7 +246,7 @@ def _block_attention(q, k, v, offsets):
 
 
 def _swiglu():
-    from gem_train.model.swiglu import swiglu_backward_triton, swiglu_forward_triton
+    from gem_lowprec.ops.swiglu.triton import swiglu_backward_triton, swiglu_forward_triton
 
     def run():
         u = torch.randn(4100, 2 * 2816, dtype=torch.bfloat16)
@@ -264,32 +256,42 @@ def _swiglu():
 
 
 def _lowprec():
-    from gem_lowprec.formats import E4M3, E5M2
+    """The low-precision launchers with the GPU's launch shapes, hardware fp8 cast and SM count
+    asked for explicitly (``Launch``), on CPU tensors."""
+    from gem_lowprec.codec import E4M3, E5M2
     from gem_lowprec.ops.fp8_cast import triton as fp8_cast
+    from gem_lowprec.ops.fp8_cast import triton_columns as fp8_columns
+    from gem_lowprec.ops.launch import Launch
     from gem_lowprec.ops.mx_quantize import triton as mx
+    from gem_lowprec.ops.mx_quantize import triton_k128 as mx_k128
     from gem_lowprec.ops.rmsnorm_mx.triton import rmsnorm_mx
 
+    gpu = Launch(shapes="gpu", encoder="hardware", sm_count=SM_COUNT)
     layouts = (dict(rows=True, cols=True, tile_2d=False), dict(rows=True, cols=False, tile_2d=True))
 
     def run():
         x = torch.randn(4096, 1024, dtype=torch.bfloat16)
         mult = torch.rand(4096)
         for fmt in (E4M3, E5M2):
-            fp8_cast.cast_rows(x, fmt, transposed=True, col_amax_row_mult=None)
-            fp8_cast.cast_rows(x, fmt, transposed=False, col_amax_row_mult=mult)
-            fp8_cast.cast_both(x, fmt)
-            amax = fp8_cast.column_amax(x, mult)
-            fp8_cast.cast_columns(x, fmt, row_mult=mult, col_amax=amax)
-            fp8_cast.mx_rowcol_k128(x, fmt, scale_mode="rceil")
-            mx.mx_quantize_merged_k128(x, fmt, scale_mode="rceil")
+            fp8_cast.cast_rows(x, fmt, transposed=True, col_amax_row_mult=None, launch=gpu)
+            fp8_cast.cast_rows(x, fmt, transposed=False, col_amax_row_mult=mult, launch=gpu)
+            fp8_columns.cast_both(x, fmt, launch=gpu)
+            amax = fp8_columns.column_amax(x, mult, launch=gpu)
+            fp8_columns.cast_columns(x, fmt, row_mult=mult, col_amax=amax, launch=gpu)
+            mx_k128.mx_rowcol_k128(x, fmt, scale_mode="rceil", launch=gpu)
+            mx_k128.mx_quantize_merged_k128(x, fmt, scale_mode="rceil", launch=gpu)
             for layout in layouts:
-                mx.mx_quantize(x, fmt, **layout, scale_mode="rceil", seed=None)
-            mx.mx_quantize(x, fmt, rows=True, cols=False, tile_2d=False, scale_mode="floor", seed=3)
-            rmsnorm_mx(x, torch.ones(1024), 1e-6, fmt, "rceil")
+                mx.mx_quantize(x, fmt, **layout, scale_mode="rceil", seed=None, launch=gpu)
+            mx.mx_quantize(
+                x, fmt, rows=True, cols=False, tile_2d=False, scale_mode="floor", seed=3, launch=gpu
+            )
+            rmsnorm_mx(x, torch.ones(1024), 1e-6, fmt, "rceil", launch=gpu)
         for cols in (4096, 8192):  # the rows cast's wide launch and whole-row column amax
             wide = torch.randn(512, cols, dtype=torch.bfloat16)
-            fp8_cast.cast_rows(wide, E4M3, transposed=False, col_amax_row_mult=None)
-            fp8_cast.cast_rows(wide, E4M3, transposed=False, col_amax_row_mult=mult[:512])
+            fp8_cast.cast_rows(wide, E4M3, transposed=False, col_amax_row_mult=None, launch=gpu)
+            fp8_cast.cast_rows(
+                wide, E4M3, transposed=False, col_amax_row_mult=mult[:512], launch=gpu
+            )
 
     return run
 

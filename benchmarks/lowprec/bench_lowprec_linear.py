@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gem_lowprec import LowPrecisionLinear  # noqa: E402
-from gem_lowprec.linear import fallback_report  # noqa: E402
+from gem_lowprec import Fp8Decisions, LowPrecisionLinear  # noqa: E402
 from gem_lowprec.ops.fp8_cast import triton as fp8_kernels  # noqa: E402
+from gem_lowprec.ops.fp8_cast import triton_columns as fp8_column_kernels  # noqa: E402
 from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -138,8 +138,8 @@ ROWS_SWEEP = [
     T(amax_stages=4),
     T(amax_warps=8),
 ]
-BOTH_SWEEP = [fp8_kernels.BothTiles(), fp8_kernels.BothTiles(32, 256, 32, 128, 4)]
-C = fp8_kernels.ColumnTiles
+BOTH_SWEEP = [fp8_column_kernels.BothTiles(), fp8_column_kernels.BothTiles(32, 256, 32, 128, 4)]
+C = fp8_column_kernels.ColumnTiles
 COLUMN_SWEEP = [
     C(),
     C(amax_row_tiles=2),
@@ -177,7 +177,7 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
     """``--sweep``: the rows kernel (plain, with the transposed copy, with a column amax) and
     the weight's both-ways cast under several launch shapes, in device ms and TB/s of bytes read
     once + written."""
-    from gem_lowprec.formats import elem_format
+    from gem_lowprec.codec import elem_format
 
     e4m3 = elem_format(E4M3)
     shapes_swept = ROWS_SWEEP if device == "cuda" else ROWS_SWEEP[:1]  # the CPU: does it run
@@ -216,10 +216,12 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
                 rows.append([f"{variant} [{tokens}x{c}]", changed(t), ms, moved / ms / 1e9])
         # the column-wise cast: its amax pass, then its cast pass
         for t in COLUMN_SWEEP if device == "cuda" else COLUMN_SWEEP[:1]:
-            amax_ms = device_ms(lambda t=t, x=x, m=mult: fp8_kernels.column_amax(x, m, tiles=t))
-            amax = fp8_kernels.column_amax(x, mult, tiles=t)
+            amax_ms = device_ms(
+                lambda t=t, x=x, m=mult: fp8_column_kernels.column_amax(x, m, tiles=t)
+            )
+            amax = fp8_column_kernels.column_amax(x, mult, tiles=t)
             cast_ms = device_ms(
-                lambda t=t, x=x, a=amax, m=mult: fp8_kernels.cast_columns(
+                lambda t=t, x=x, a=amax, m=mult: fp8_column_kernels.cast_columns(
                     x, e4m3, row_mult=m, col_amax=a, tiles=t
                 )
             )
@@ -228,20 +230,20 @@ def sweep_casts(device: str, tokens: int, shapes: list[tuple[int, int]]) -> None
     for k, n in shapes:
         w = torch.randn(n, k, device=device).to(torch.bfloat16)
         for t in BOTH_SWEEP:
-            ms = device_ms(lambda t=t, w=w: fp8_kernels.cast_both(w, e4m3, tiles=t))
+            ms = device_ms(lambda t=t, w=w: fp8_column_kernels.cast_both(w, e4m3, tiles=t))
             rows.append([f"both [{n}x{k}]", changed(t), ms, w.numel() * 6 / ms / 1e9])
     common.print_table(
         "fp8 cast launch-shape sweep (device time)", ["cast", "tiles", "ms", "TB/s"], rows
     )
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument(
         "--sweep", action="store_true", help="first sweep the fp8 casts' launch shapes"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     tokens = 128 if args.smoke else 32768
     bench = timer(args.smoke)
@@ -258,6 +260,8 @@ def main():
     print(common.environment())
     if args.sweep:
         sweep_casts(device, tokens, shapes)
+    # one decisions object for every linear of the run, as ``convert`` gives a model's linears
+    decisions = Fp8Decisions()
     totals, pieces, headline = [], [], {}
     for k, n in shapes:
         shape = f"{k}->{n}"
@@ -266,14 +270,15 @@ def main():
         dy = torch.randn(tokens, n, device=device, generator=gen).to(torch.bfloat16)
         flops = 3 * 2 * tokens * k * n
         base = LowPrecisionLinear(
-            k, n, bias=False, recipe=Recipe(name="bf16"), device=device, dtype=torch.bfloat16
-        )
+            k, n, bias=False, recipe=Recipe(name="bf16"), decisions=decisions, device=device,
+            dtype=torch.bfloat16,
+        )  # fmt: skip
         anchor_step = fwd_bwd(base, x, dy)
         for label, rec in [("bf16 F.linear (anchor)", base.recipe), *variants]:
             if label.startswith("bf16"):  # the anchor against itself: the run's noise floor
                 got = measure(bench, anchor_step, anchor_step, args.smoke)
             else:
-                mod = LowPrecisionLinear(k, n, bias=False, recipe=rec, device=device, dtype=torch.bfloat16)  # fmt: skip
+                mod = LowPrecisionLinear(k, n, bias=False, recipe=rec, decisions=decisions, device=device, dtype=torch.bfloat16)  # fmt: skip
                 mod.weight.data.copy_(base.weight.data)
                 got = measure(bench, fwd_bwd(mod, x, dy), anchor_step, args.smoke)
             eager_x = got["anchor_eager"] / got["eager"]
@@ -288,7 +293,7 @@ def main():
                     emit(pieces, [shape, label, name[:70], us, us / 1e3 / got["kernels"]])
         y_ref = F.linear(x.detach().float(), base.weight.detach().float())
         for name in ("mxfp8", "fp8_rowwise"):
-            mod = LowPrecisionLinear(k, n, bias=False, recipe=Recipe(name=name, fallback=no_fallback), device=device, dtype=torch.bfloat16)  # fmt: skip
+            mod = LowPrecisionLinear(k, n, bias=False, recipe=Recipe(name=name, fallback=no_fallback), decisions=decisions, device=device, dtype=torch.bfloat16)  # fmt: skip
             mod.weight.data.copy_(base.weight.data)
             y = mod(x.detach()).float()
             sqnr = 10 * torch.log10(y_ref.pow(2).sum() / (y - y_ref).pow(2).sum()).item()
@@ -305,7 +310,7 @@ def main():
         ["shape", "path", "kernel", "µs", "share"],
         pieces,
     )
-    print("fallbacks:", fallback_report() or "none")
+    print("fallbacks:", decisions.fallback_report() or "none")
     common.record("lowprec_linear", **headline)
 
 

@@ -13,7 +13,7 @@ float formula).
 ``--sweep`` first times a handful of launch shapes per kernel (direct kernel calls replayed from
 a CUDA graph, so that the host's cost of a launch does not hide the kernel's), prints them,
 and runs the table with the fastest of each (the defaults in the kernel modules are the fastest
-of such a sweep on an H200). ``--smoke`` runs tiny shapes on the CPU (anchors eager; the sweep
+of such a sweep on the GPU). ``--smoke`` runs tiny shapes on the CPU (anchors eager; the sweep
 under Triton's interpreter).
 """
 
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 import torch  # noqa: E402
-from gem_lowprec import rmsnorm_to_mx, to_mx, to_mx_2d, to_mx_rowcol  # noqa: E402
-from gem_lowprec.formats import E4M3  # noqa: E402
+from gem_lowprec import quantize_mx_k128, rmsnorm_to_mx, to_mx, to_mx_2d, to_mx_rowcol  # noqa: E402
+from gem_lowprec.codec import E4M3  # noqa: E402
 from gem_lowprec.ops.mx_quantize import triton as mx_kernels  # noqa: E402
+from gem_lowprec.ops.mx_quantize import triton_k128 as k128_kernels  # noqa: E402
 from gem_lowprec.ops.rmsnorm_mx import triton as rms_kernels  # noqa: E402
-from gem_lowprec.scaled_matmul import quantize_mx_k128  # noqa: E402
 
 E4M3_MAX = 448.0
 RowsTiles, Tile2dTiles, RowColTiles = (
@@ -102,7 +102,7 @@ def sweep(x, xr, w, byte_counts, grid, *, smoke: bool) -> dict:
         "rows": lambda t: mx_kernels.mx_quantize(
             x, e4m3, rows=True, cols=False, tile_2d=False, scale_mode="rceil", seed=None, tiles=t
         ),
-        "merge_k128": lambda t: mx_kernels.mx_quantize_merged_k128(
+        "merge_k128": lambda t: k128_kernels.mx_quantize_merged_k128(
             x, e4m3, scale_mode="rceil", tiles=t
         ),
         "tile2d": lambda t: mx_kernels.mx_quantize(
@@ -134,11 +134,11 @@ def sweep(x, xr, w, byte_counts, grid, *, smoke: bool) -> dict:
     return {name: tiles for name, (tiles, _) in best.items()}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--sweep", action="store_true", help="time launch shapes first")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     q1 = (64, 256) if args.smoke else (16384, 8192)
     q3 = (32, 256) if args.smoke else (32768, 1024)
@@ -164,26 +164,51 @@ def main():
         byte_counts["rows, Q3's input"] = 3 * n3 + n3 // 32
         best = sweep(x, xr, w, byte_counts, SMOKE_SWEEP if args.smoke else SWEEP, smoke=args.smoke)
         print(f"fastest launch shapes: {best}")
-        if not args.smoke:  # the table runs the public API with the fastest shapes (the
-            # merge to 1x128 shares the rows kernel's shape: the table uses the rows one)
-            mx_kernels.GPU_TILES = (best["rows"], best["tile2d"], best["rowcol"])
-            rms_kernels.GPU_TILES = best["rmsnorm"]
+    # The table runs the public API with the fastest shapes of the sweep, passed as arguments
+    # (the merge to 1x128 shares the rows kernel's shape: the table uses the rows one), or with
+    # the kernels' defaults (None) without a sweep and on the CPU.
+    rows_t = tile2d_t = rowcol_t = rms_t = None
+    if args.sweep and not args.smoke:
+        rows_t, tile2d_t, rowcol_t = best["rows"], best["tile2d"], best["rowcol"]
+        rms_t = best["rmsnorm"]
     if not args.smoke:
-        print(f"launch shapes in the table: {mx_kernels.GPU_TILES}, {rms_kernels.GPU_TILES}")
+        shown = (
+            rows_t or mx_kernels.GPU_TILES[0], tile2d_t or mx_kernels.GPU_TILES[1],
+            rowcol_t or mx_kernels.GPU_TILES[2],
+        )  # fmt: skip
+        print(f"launch shapes in the table: {shown}, {rms_t or rms_kernels.GPU_TILES}")
 
     f1, f2, f3 = compile_(formula_1x32), compile_(formula_32x32), compile_(formula_rmsnorm_1x32)
     cases = [
         ("copy (ceiling)", bytes_q1 // 3 * 4, lambda: x.clone(), None, None),
         ("copy, Q3's input", 4 * n3, lambda: xr.clone(), None, None),
-        ("1x32 rows, Q3's input", 3 * n3 + n3 // 32, lambda: to_mx(xr), None, None),
-        ("Q1 1x32 rows", bytes_q1, lambda: to_mx(x), lambda: f1(x), lambda: formula_1x32(x)),
-        ("Q1 rows+cols, one read", bytes_rowcol, lambda: to_mx_rowcol(x), None, None),
-        ("Q1 + merge to 1x128", bytes_merge, lambda: quantize_mx_k128(x), None, None),
-        ("Q2 32x32", bytes_q2, lambda: to_mx_2d(x), lambda: f2(x), lambda: formula_32x32(x)),
+        ("1x32 rows, Q3's input", 3 * n3 + n3 // 32, lambda: to_mx(xr, tiles=rows_t), None, None),
+        (
+            "Q1 1x32 rows",
+            bytes_q1,
+            lambda: to_mx(x, tiles=rows_t),
+            lambda: f1(x),
+            lambda: formula_1x32(x),
+        ),
+        (
+            "Q1 rows+cols, one read",
+            bytes_rowcol,
+            lambda: to_mx_rowcol(x, tiles=rowcol_t),
+            None,
+            None,
+        ),
+        ("Q1 + merge to 1x128", bytes_merge, lambda: quantize_mx_k128(x, tiles=rows_t), None, None),
+        (
+            "Q2 32x32",
+            bytes_q2,
+            lambda: to_mx_2d(x, tiles=tile2d_t),
+            lambda: f2(x),
+            lambda: formula_32x32(x),
+        ),
         (
             "Q3 rmsnorm+1x32",
             bytes_q3,
-            lambda: rmsnorm_to_mx(xr, w),
+            lambda: rmsnorm_to_mx(xr, w, tiles=rms_t),
             lambda: f3(xr, w),
             lambda: formula_rmsnorm_1x32(xr, w),
         ),

@@ -1,12 +1,10 @@
-"""The casts of the low-precision linear: the fp8 row-wise / column-wise / both-ways casts of fp8_rowwise and
-the both-ways MX quantize + 1×128 merge of mxfp8; Triton (the interpreter on the CPU, the
-hardware cast on a GPU) against the reference, bit for bit."""
+"""The fp8 row-wise / column-wise / both-ways casts of the fp8_rowwise linear: Triton (the
+interpreter on the CPU, the hardware cast on a GPU) against the reference, bit for bit."""
 
 import pytest
 import torch
-from gem_lowprec.formats import E4M3
+from gem_lowprec.codec import E4M3
 from gem_lowprec.ops.fp8_cast import cast_both, cast_columns, cast_rows, reference
-from gem_lowprec.scaled_matmul import quantize_mx_k128_rowcol
 from gem_lowprec.testing import every_pattern_matrix, special_matrix
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,45 +129,45 @@ def test_gpu_casts_match_reference_bit_for_bit(elem):
     _check_all(elem, "cuda", "auto")
 
 
+# The GPU launch shapes under the interpreter: explicit choices, with the integer encoder (the
+# interpreter's fp8 cast rounds wrongly) and a few persistent programs.
+GPU_SHAPES_ON_CPU = dict(shapes="gpu", encoder="integer", sm_count=2)
+
+
 @pytest.mark.parametrize("cols", [1024, 4096, 8192, 10000])
-def test_gpu_launch_shapes_of_the_rows_cast_under_the_interpreter(monkeypatch, cols):
+def test_gpu_launch_shapes_of_the_rows_cast_under_the_interpreter(cols):
     """The rows cast's GPU launch shapes, run by the interpreter: at 1024 columns 16-row chunks;
     from 4096 the wide launch (2048-column chunks); with a column amax, whole rows per chunk up
     to 8192 (2 rows a chunk at 4096, 1 at 8192) and chunks with atomics past it (10000). The
     encoder stays the integer one (the interpreter's fp8 cast rounds wrongly)."""
     from gem_lowprec.ops.fp8_cast import triton as kernels
+    from gem_lowprec.ops.launch import Launch
 
-    constants = kernels._constants
-    monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: 2)  # a few persistent programs
-    monkeypatch.setattr(
-        kernels, "_constants", lambda fmt, on_gpu, bf16: constants(fmt, False, bf16)
-    )
+    launch = Launch(**GPU_SHAPES_ON_CPU)
     gen = torch.Generator().manual_seed(cols)
     x = (torch.randn(37, cols, generator=gen) * 4).to(torch.bfloat16)
     mult = _row_mult(x.shape[0], 3)
     for transposed, m in ((True, None), (False, mult)):
-        got = kernels.cast_rows(x, E4M3, transposed=transposed, col_amax_row_mult=m)
+        got = kernels.cast_rows(x, E4M3, transposed=transposed, col_amax_row_mult=m, launch=launch)
         want = cast_rows(x, transposed=transposed, col_amax_row_mult=m, backend="reference")
         _assert_same(got, want)
 
 
-def test_gpu_launch_shapes_of_the_column_cast_under_the_interpreter(monkeypatch):
+def test_gpu_launch_shapes_of_the_column_cast_under_the_interpreter():
     """The column-wise cast's GPU launch shape (64 × 128 tiles, two row tiles per amax program),
-    run by the interpreter over ragged row and column edges, matches the reference."""
-    from gem_lowprec.ops.fp8_cast import triton as kernels
+    run by the interpreter over ragged row and column edges, matches the reference; so does the
+    weight's both-ways cast in its GPU tiles."""
+    from gem_lowprec.ops.fp8_cast import triton_columns as kernels
+    from gem_lowprec.ops.launch import Launch
 
-    constants = kernels._constants
-    monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(
-        kernels, "_constants", lambda fmt, on_gpu, bf16: constants(fmt, False, bf16)
-    )
+    launch = Launch(**GPU_SHAPES_ON_CPU)
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(300, 160, generator=gen) * 4).to(torch.bfloat16)
     mult = _row_mult(x.shape[0], 7)
-    amax = kernels.column_amax(x, mult)
-    got = kernels.cast_columns(x, E4M3, row_mult=mult, col_amax=amax)
+    amax = kernels.column_amax(x, mult, launch=launch)
+    got = kernels.cast_columns(x, E4M3, row_mult=mult, col_amax=amax, launch=launch)
     _assert_same(got, cast_columns(x, row_mult=mult, backend="reference"))
+    _assert_same(kernels.cast_both(x, E4M3, launch=launch), cast_both(x, backend="reference"))
 
 
 @pytest.mark.gpu
@@ -194,50 +192,12 @@ def _to(t, device):
     return None if t is None else t.to(device)
 
 
-def _rowcol_inputs():
-    every = every_pattern_matrix().reshape(-1, 128)  # 1020 rows: pad to a multiple of 128
-    every = torch.cat([every, torch.zeros(1024 - every.shape[0], 128, dtype=every.dtype)])
-    sp = special_matrix()
-    sp = torch.cat([torch.cat([sp, sp.flip(0)]), torch.cat([sp.flip(1), sp * 3])], dim=1)
-    return [every, sp, torch.randn(256, 384, generator=torch.Generator().manual_seed(5))]
-
-
-def _check_rowcol(elem, device: str, backend: str) -> None:
-    every, *small = _rowcol_inputs()
-    for scale_mode, inputs in (("rceil", [every, *small]), ("floor", small)):
-        for x in inputs:
-            got = quantize_mx_k128_rowcol(
-                x.to(device), elem, scale_mode=scale_mode, backend=backend
-            )
-            want = quantize_mx_k128_rowcol(x, elem, scale_mode=scale_mode, backend="reference")
-            for g, w in zip(got, want, strict=True):
-                _assert_same(g, w)
-
-
-@ELEMS
-def test_triton_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
-    """Both 1×128-merged MX copies from one read equal merge_k128(to_mx(x)) and
-    merge_k128(to_mx(xᵀ)) on every finite bf16 pattern (sorted and shuffled), specials, floats."""
-    _check_rowcol(elem, "cpu", "triton")
-
-
-def test_mx_rowcol_k128_refuses_unaligned_shapes():
-    with pytest.raises(ValueError, match="multiples of 128"):
-        quantize_mx_k128_rowcol(torch.zeros(128, 96))
-
-
-@pytest.mark.gpu
-@ELEMS
-def test_gpu_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
-    _check_rowcol(elem, "cuda", "auto")
-
-
 _CODEGEN_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import torch
-from gem_lowprec.formats import elem_format
+from gem_lowprec.codec import elem_format
 from gem_lowprec.ops.fp8_cast import triton as K
 
 def ptx(fn, signature, constants, num_warps):
@@ -250,7 +210,7 @@ rows = ptx(K.cast_rows_kernel,
            {"x_ptr": "*i16", "row_mult_ptr": "*fp32", "data_ptr": "*u8", "scale_ptr": "*fp32",
             "col_amax_ptr": "*i32", "R": "i32", "C": "i32"},
            dict(BLOCK_R=16, BLOCK_C=512, COL_AMAX=False, ONE_CHUNK=False, NUM_STAGES=1, HW_CONVERT=True,
-                IN_BF16=True, **K.format_constants(elem_format(torch.float8_e4m3fn))), 8)
+                IN_BF16=True, **elem_format(torch.float8_e4m3fn).kernel_constants), 8)
 t = K.RowsTiles()
 transpose = ptx(K.transpose_bytes_kernel,
                 {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32"},

@@ -1,58 +1,14 @@
-"""LowPrecisionLinear, convert, the scale merge and the emulated fp8 GEMMs."""
+"""LowPrecisionLinear, convert, the fp8-vs-BF16 decisions and the emulated fp8 GEMMs. Every linear holds its decisions in an ``Fp8Decisions`` object (shared by
+``convert``), so each test starts with none."""
 
 import pytest
 import torch
-from gem_lowprec import LowPrecisionLinear, convert, recipe, to_mx
-from gem_lowprec.hadamard import inverse_random_hadamard, random_hadamard
-from gem_lowprec.linear import fallback_report, m_bucket, unmeasured_keys
-from gem_lowprec.recipes import Recipe
-from gem_lowprec.scaled_matmul import merge_k128, mx_matmul, quantize_mx_k128
-from gem_lowprec.testing import every_pattern_matrix, special_matrix
+from gem_lowprec import Fp8Decisions, LowPrecisionLinear, convert, recipe, to_mx
+from gem_lowprec.fallback import m_bucket, measure_fp8_against_bf16
+from gem_lowprec.linear import fallback_report, measure_pending
+from gem_lowprec.recipes import FallbackConfig, Recipe
+from gem_lowprec.scaled_matmul import mx_matmul
 from torch import nn
-
-
-@pytest.fixture(autouse=True)
-def fresh_decisions(monkeypatch):
-    """Each test starts with no fp8-vs-BF16 decisions, pending timings or fallbacks: they are
-    process-wide, and a key left pending by one test (a first call inside a checkpoint) would
-    be timed by another test's ``measure_pending()``."""
-    import gem_lowprec.linear as linear_mod
-
-    for name in ("_MEASURED", "_UNMEASURED", "_FALLBACKS"):
-        monkeypatch.setattr(linear_mod, name, {})
-
-
-def test_merge_k128_is_exact_while_values_stay_normal():
-    gen = torch.Generator().manual_seed(0)
-    # four blocks per 128 with magnitudes 1, 2, 4, 8: shifts of at most 3 binades stay normal
-    x = torch.randn(8, 256, generator=gen) * torch.tensor([1.0, 2, 4, 8]).repeat_interleave(
-        32
-    ).repeat(2)
-    mx = to_mx(x)
-    data, scale = merge_k128(mx)
-    merged = data.float() * scale.repeat_interleave(128, dim=1)
-    assert torch.equal(merged, mx.dequantize())
-    # a block 2^20 below its neighbours loses its values to the shift (rounded, not garbage)
-    x[:, 0:32] *= 2.0**-20
-    mx = to_mx(x)
-    data, scale = merge_k128(mx)
-    merged = data.float() * scale.repeat_interleave(128, dim=1)
-    assert torch.equal(merged[:, 32:], mx.dequantize()[:, 32:])
-    assert (
-        merged[:, :32].abs() <= mx.dequantize()[:, :32].abs() * 2 + 2.0**-9 * scale[:, :1]
-    ).all()
-
-
-@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_fused_quantize_merge_kernel_bit_exact(elem):
-    """The Triton quantize+merge kernel equals merge_k128(to_mx(x)) on every finite bf16 pattern
-    (shuffled so that blocks of very different magnitude share a 1x128 group) and specials."""
-    x = every_pattern_matrix().reshape(-1, 128)
-    for t in (x, special_matrix().reshape(-1, 128)):
-        data, scale = quantize_mx_k128(t, elem, backend="triton")
-        ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
-        assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
-        assert torch.allclose(scale, ref_scale, rtol=0, atol=0, equal_nan=True)
 
 
 def test_mx_matmul_emulation_is_the_dequantized_product():
@@ -102,18 +58,28 @@ def test_linear_forward_backward_close_to_fp64(rec, k, n):
     # a Hadamard rotation along tokens mixes loud tokens into quiet ones: about 6% here
     fp8_bound = 0.05 if rec.weight_grad.hadamard_block is None else 0.08
     assert rel(lin.weight.grad, w64.grad) < (1e-5 if exact_wgrad else fp8_bound)
-    assert not fallback_report()
+    assert not fallback_report(lin) and not lin.decisions.fallback_report()
 
 
-def test_recomputation_repeats_the_choice_of_its_forward(monkeypatch):
+class ScriptedDecisions(Fp8Decisions):
+    """Decisions that answer what the test says (a stand-in for a timing that changes them)."""
+
+    def __init__(self, choice: dict):
+        super().__init__()
+        self.choice = choice
+
+    def use_fp8(self, *args, **kwargs) -> bool:
+        return self.choice["fp8"]
+
+
+def test_recomputation_repeats_the_choice_of_its_forward():
     """A decision that changes between a checkpointed forward and its recomputation (a timing in
     between) must not change what the recomputation runs, or the saved tensors would differ."""
-    import gem_lowprec.linear as linear_mod
     from torch.utils.checkpoint import checkpoint
 
     choice = {"fp8": True}
-    monkeypatch.setattr(linear_mod, "use_fp8", lambda *args: choice["fp8"])
-    layer = LowPrecisionLinear(128, 128, recipe=recipe("fp8_rowwise"))
+    decisions = ScriptedDecisions(choice)
+    layer = LowPrecisionLinear(128, 128, recipe=recipe("fp8_rowwise"), decisions=decisions)
     x = torch.randn(64, 128, requires_grad=True)
     y = checkpoint(layer, x, use_reentrant=False)
     choice["fp8"] = False  # e.g. the key got timed by another call before the backward
@@ -140,8 +106,8 @@ def test_unaligned_shape_falls_back_and_says_so():
     with pytest.warns(UserWarning, match="falls back to bf16"):
         y = lin(x)
     assert torch.equal(y, nn.functional.linear(x, lin.weight, lin.bias))
-    assert any(k[2] == 96 for k in fallback_report())
-    assert not unmeasured_keys()  # nothing is timed on the CPU
+    assert any(k[2] == 96 for k in fallback_report(lin))
+    assert not lin.decisions.unmeasured_keys()  # nothing is timed on the CPU
 
 
 def test_convert_skips_heads_and_last_layer_and_shares_parameters():
@@ -157,31 +123,11 @@ def test_convert_skips_heads_and_last_layer_and_shares_parameters():
     report = model.lowprec_conversion
     assert report.converted == ["body.0", "body.2"]
     assert set(report.skipped) == {"ctr_head", "final"}
+    # one decisions object for the model: a shape is timed once, whichever layer meets it
+    assert model.body[0].decisions is model.body[2].decisions is report.decisions
+    assert measure_pending(model) == 0 and fallback_report(model) == {}
     with pytest.raises(ValueError, match="recipe name"):
         convert(nn.Linear(4, 4), "int4")
-
-
-def test_hadamard_round_trip_and_gemm_invariance():
-    gen = torch.Generator().manual_seed(3)
-    for block in (16, 64, 256):
-        x = torch.randn(8, 512, generator=gen)
-        y = random_hadamard(x, block_size=block, seed=5)
-        torch.testing.assert_close(
-            inverse_random_hadamard(y, block_size=block, seed=5), x, rtol=0, atol=1e-5
-        )
-        b = torch.randn(4, 512, generator=gen)
-        torch.testing.assert_close(
-            y @ random_hadamard(b, block_size=block, seed=5).t(), x @ b.t(), rtol=1e-4, atol=1e-4
-        )
-        assert not torch.allclose(y, x)
-    # spreads an outlier: its block's max drops by ~sqrt(block)
-    spike = torch.zeros(1, 256)
-    spike[0, 3] = 100.0
-    assert random_hadamard(spike, block_size=256, seed=1).abs().max() < 100.0 / 15
-    with pytest.raises(ValueError, match="block_size"):
-        random_hadamard(x, block_size=24)
-    with pytest.raises(ValueError, match="hadamard_block"):
-        recipe("mxfp8", weight_grad="fp8", hadamard_block=512)
 
 
 def _train(rec: Recipe | None, steps: int = 40) -> list[float]:
@@ -218,7 +164,7 @@ def test_small_model_trains_with_emulated_mxfp8_within_1pct_of_bf16():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise"])
 def test_gpu_linear_matches_emulation(name):
-    rec = Recipe(name=name, fallback=Recipe().fallback.__class__(measure_on_gpu=False))
+    rec = Recipe(name=name, fallback=FallbackConfig(measure_on_gpu=False))
     lin = LowPrecisionLinear(1024, 512, recipe=rec, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = lin(x)
@@ -230,17 +176,6 @@ def test_gpu_linear_matches_emulation(name):
     yc.float().pow(2).sum().backward()
     assert ((y.cpu().float() - yc.float()).norm() / yc.float().norm()) < 2e-2
     assert ((x.grad.cpu().float() - xc.grad.float()).norm() / xc.grad.float().norm()) < 3e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_gpu_fused_quantize_merge_bit_exact(elem):
-    x = every_pattern_matrix().reshape(-1, 128)
-    for t in (x, special_matrix().reshape(-1, 128)):
-        data, scale = quantize_mx_k128(t.cuda(), elem)
-        ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
-        assert torch.equal(data.cpu().view(torch.uint8), ref_data.view(torch.uint8))
-        assert torch.allclose(scale.cpu(), ref_scale, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu
@@ -269,32 +204,31 @@ def test_gpu_first_call_inside_a_cuda_graph_capture_is_not_timed():
     with torch.cuda.stream(stream):  # warm up (compile) where timing is not allowed either
         checkpoint(layer, x, use_reentrant=False).float().square().sum().backward()
     torch.cuda.current_stream().wait_stream(stream)
-    assert any(key[1:3] == (256, 896) for key in unmeasured_keys())
+    assert any(key[1:3] == (256, 896) for key in layer.decisions.unmeasured_keys())
     x.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         layer(x).float().square().sum().backward()
-    assert any(key[1:3] == (256, 896) for key in unmeasured_keys())
+    assert any(key[1:3] == (256, 896) for key in layer.decisions.unmeasured_keys())
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(x.grad).all()
-    from gem_lowprec.linear import measure_pending
-
-    assert measure_pending() >= 1
-    assert not any(key[1:3] == (256, 896) for key in unmeasured_keys())
+    assert measure_pending(layer) >= 1
+    assert not any(key[1:3] == (256, 896) for key in layer.decisions.unmeasured_keys())
 
 
 @pytest.mark.gpu
 def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
     """Jagged batches change M every step: one timing per power-of-two bucket of M; a first call
     inside a checkpoint is not timed (it runs fp8), the next plain call of that bucket is."""
-    import gem_lowprec.linear as linear_mod
     from torch.utils.checkpoint import checkpoint
 
     layer = LowPrecisionLinear(256, 640, recipe=Recipe(), device="cuda", dtype=torch.bfloat16)
+    decisions = layer.decisions
+    unmeasured_keys = decisions.unmeasured_keys
 
     def keys():
-        return [key for key in linear_mod._MEASURED if key[1:3] == (256, 640)]
+        return [key for key in decisions.measured if key[1:3] == (256, 640)]
 
     for m in (16384 + 128, 16384 + 1024, 30000 // 16 * 16):  # one bucket: 32768
         layer(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
@@ -308,7 +242,7 @@ def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
     x = torch.randn(5000 // 16 * 16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     checkpoint(layer, x, use_reentrant=False).float().square().sum().backward()
     assert any(key[1:3] == (256, 640) and key[-1] == 8192 for key in unmeasured_keys())
-    assert linear_mod.measure_pending() == 1
+    assert decisions.measure_pending() == 1
     assert [key[-1] for key in keys()] == [32768, 2048, 8192] and not unmeasured_keys()
 
 
@@ -316,38 +250,34 @@ def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
 def test_gpu_decision_under_autocast_times_the_autocast_output():
     """A float32 input under BF16 autocast is timed as it runs: fp8 with a BF16 output against
     the BF16 linear autocast would run, not against a float32 GEMM."""
-    import gem_lowprec.linear as linear_mod
-
     layer = LowPrecisionLinear(256, 640, recipe=Recipe(), device="cuda")  # float32 weight
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(torch.randn(4096, 256, device="cuda"))
     assert y.dtype == torch.bfloat16
-    keys = [key for key in linear_mod._MEASURED if key[1:3] == (256, 640)]
+    keys = [key for key in layer.decisions.measured if key[1:3] == (256, 640)]
     assert [key[3:] for key in keys] == [(torch.float32, torch.bfloat16, 4096)]
 
 
-def test_measure_pending_times_what_was_met_under_hooks(monkeypatch):
+def test_measure_pending_times_what_was_met_under_hooks():
     """``measure_pending`` times each key met only where timing was not allowed, with the shape
     met, moves it to the measured decisions, and does nothing where timing is not allowed."""
-    import gem_lowprec.linear as linear_mod
-
     calls = []
+    allowed = {"now": False}
 
     def measure(recipe, m, k, n, x_dtype, w_dtype, out_dtype, device):
         calls.append((m, k, n, x_dtype, w_dtype, out_dtype))
         return False, ""
 
-    monkeypatch.setattr(linear_mod, "_measure", measure)
+    decisions = Fp8Decisions(measure=measure, timing_allowed=lambda x: allowed["now"])
     key = (Recipe(), 256, 640, torch.float32, torch.bfloat16, 8192)
-    linear_mod._UNMEASURED[key] = (5000, torch.device("cpu"), torch.float32)
-    monkeypatch.setattr(linear_mod, "_timing_allowed", lambda x: False)
-    assert linear_mod.measure_pending() == 0 and linear_mod.unmeasured_keys() == [key]
-    monkeypatch.setattr(linear_mod, "_timing_allowed", lambda x: True)
-    assert linear_mod.measure_pending() == 1
+    decisions.unmeasured[key] = (5000, torch.device("cpu"), torch.float32)
+    assert decisions.measure_pending() == 0 and decisions.unmeasured_keys() == [key]
+    allowed["now"] = True
+    assert decisions.measure_pending() == 1
     # timed as met: float32 input, float32 weight, bf16 output (autocast)
     assert calls == [(5000, 256, 640, torch.float32, torch.float32, torch.bfloat16)]
-    assert linear_mod._MEASURED[key] == (False, "")
-    assert linear_mod.unmeasured_keys() == [] and linear_mod.measure_pending() == 0
+    assert decisions.measured[key] == (False, "")
+    assert decisions.unmeasured_keys() == [] and decisions.measure_pending() == 0
 
 
 @pytest.mark.parametrize(
@@ -361,14 +291,9 @@ def test_measure_pending_times_what_was_met_under_hooks(monkeypatch):
         ([(1.00, 0.90), (3.00, 0.90), (1.00, 0.90)], 1.02, True),  # one slow BF16 round: median
     ],
 )
-def test_fp8_is_kept_only_when_its_median_beats_bf16_by_the_margin(
-    monkeypatch, rounds, min_speedup, keeps_fp8
-):
+def test_fp8_is_kept_only_when_its_median_beats_bf16_by_the_margin(rounds, min_speedup, keeps_fp8):
     """The one-time fp8-vs-BF16 decision alternates the two paths, compares medians and keeps
     fp8 only when it is ``min_speedup`` times faster: a tie, or one lucky round, keeps BF16."""
-    import gem_lowprec.linear as linear_mod
-    from gem_lowprec.recipes import FallbackConfig
-
     script = iter(t for pair in rounds for t in pair)
     order = []
 
@@ -376,10 +301,9 @@ def test_fp8_is_kept_only_when_its_median_beats_bf16_by_the_margin(
         order.append(fn)
         return next(script)
 
-    monkeypatch.setattr(linear_mod, "_time_fwd_bwd", fake_time)
     recipe = Recipe(name="fp8_rowwise", fallback=FallbackConfig(min_speedup=min_speedup))
-    keep, why = linear_mod._measure(
-        recipe, 32, 64, 64, torch.float32, torch.float32, torch.float32, "cpu"
+    keep, why = measure_fp8_against_bf16(
+        recipe, 32, 64, 64, torch.float32, torch.float32, torch.float32, "cpu", timer=fake_time
     )
     assert keep is keeps_fp8
     assert len(order) == 6 and order[0] is not order[1] and order[0] is order[2]
@@ -387,8 +311,6 @@ def test_fp8_is_kept_only_when_its_median_beats_bf16_by_the_margin(
 
 
 def test_min_speedup_below_one_is_refused():
-    from gem_lowprec.recipes import FallbackConfig
-
     with pytest.raises(ValueError, match="min_speedup must be a number >= 1.0"):
         FallbackConfig(min_speedup=0.9)
 

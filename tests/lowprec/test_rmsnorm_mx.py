@@ -4,7 +4,7 @@ the activation within the tolerance rule of an fp64 RMSNorm."""
 import pytest
 import torch
 from gem_lowprec import rmsnorm_to_mx
-from gem_lowprec.formats import E4M3, E5M2
+from gem_lowprec.codec import E4M3, E5M2
 from gem_lowprec.ops.mx_quantize import reference as mx_reference
 from gem_lowprec.ops.rmsnorm_mx import reference
 from gem_lowprec.ops.rmsnorm_mx import triton as kernels

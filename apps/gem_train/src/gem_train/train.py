@@ -63,7 +63,7 @@ def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
     timer.mark("backward")
     run.clip_gradients()
     run.optimizer.step()
-    measure_pending()  # fp8-vs-BF16 timings of linears first met inside checkpointed blocks
+    measure_pending(run.model)  # fp8-vs-BF16 timings of linears first met in checkpointed blocks
     timer.mark("optimizer")
     return batch, logits, loss
 

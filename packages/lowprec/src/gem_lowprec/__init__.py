@@ -1,13 +1,16 @@
-"""gem_lowprec: MX / FP8 formats, near-bandwidth quantize kernels, a low-precision linear and
-FP8 all-gather for FSDP2.
+"""gem_lowprec: MX / FP8 formats, near-bandwidth quantize kernels, the fused dense kernels (a
+SwiGLU gate), a low-precision linear and FP8 all-gather for FSDP2.
 
 - ``to_mx`` / ``to_mx_2d`` / ``to_mx_rowcol`` -> ``MXTensor``: OCP microscaling with E8M0 scales,
-  bit-exact between the integer reference (CPU) and the Triton kernels (GPU).
+  bit-exact between the integer reference (CPU) and the Triton kernels (GPU); ``codec`` holds
+  the bit-level rules once.
+- ``quantize_mx_k128`` / ``quantize_mx_k128_rowcol``: MX merged into the 1×128 blocks of
+  Hopper's blockwise fp8 GEMM.
 - ``rmsnorm_to_mx``: RMSNorm fused with 1×32 MX quantization.
+- ``swiglu``: the SwiGLU gate ``silu(a) ⊙ b`` in one pass each way.
 - ``LowPrecisionLinear`` and ``convert(model, recipe, skip=...)`` with the recipes ``mxfp8``,
-  ``fp8_rowwise`` and ``bf16``.
-- ``hadamard``: seeded random Hadamard transform; ``range_guard``: the 32×32 underflow guard;
-  ``fsdp``: the FP8 all-gather weight for FSDP2.
+  ``fp8_rowwise`` and ``bf16``; ``Fp8Decisions`` holds which shapes fall back to BF16.
+- ``hadamard``: seeded random Hadamard transform; ``fsdp``: the FP8 all-gather weight for FSDP2.
 
 Modules load on first use, so ``import gem_lowprec`` does not import triton.
 """
@@ -20,8 +23,12 @@ _EXPORTS = {
     "to_mx": "gem_lowprec.ops.mx_quantize",
     "to_mx_2d": "gem_lowprec.ops.mx_quantize",
     "to_mx_rowcol": "gem_lowprec.ops.mx_quantize",
+    "quantize_mx_k128": "gem_lowprec.ops.mx_quantize",
+    "quantize_mx_k128_rowcol": "gem_lowprec.ops.mx_quantize",
     "rmsnorm_to_mx": "gem_lowprec.ops.rmsnorm_mx",
+    "swiglu": "gem_lowprec.ops.swiglu",
     "LowPrecisionLinear": "gem_lowprec.linear",
+    "Fp8Decisions": "gem_lowprec.fallback",
     "convert": "gem_lowprec.conversion",
     "Recipe": "gem_lowprec.recipes",
     "recipe": "gem_lowprec.recipes",

@@ -29,6 +29,7 @@ def _check(x: torch.Tensor, block_size: int, dim: int) -> int:
 
 
 def random_signs(length: int, seed: int, device) -> torch.Tensor:
+    """float32 ``[length]`` of ±1 drawn from a CPU generator seeded with ``seed``, on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, 2, (length,), generator=gen) * 2 - 1).to(device, torch.float32)
 
@@ -46,8 +47,23 @@ def fwht(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return y.reshape(shape)
 
 
-def random_hadamard(x: torch.Tensor, *, block_size: int = 128, seed: int = 0, dim: int = -1):
-    """``x`` times ``Qᵀ`` along ``dim`` (float32 result)."""
+def random_hadamard(
+    x: torch.Tensor, *, block_size: int = 128, seed: int = 0, dim: int = -1
+) -> torch.Tensor:
+    """``x`` times ``Qᵀ`` along ``dim``.
+
+    Args:
+        x: any float tensor; ``x.shape[dim]`` a multiple of ``block_size``.
+        block_size: the Hadamard block, a power of two in [16, 256].
+        seed: the seed of the random signs (the same seed for both operands of a GEMM).
+        dim: the transformed dim.
+
+    Returns:
+        float32, x's shape.
+
+    Raises:
+        ValueError: a bad block size, dim out of range, or a length not a multiple of it.
+    """
     dim = _check(x, block_size, dim)
     xt = x.movedim(dim, -1).to(torch.float32)
     signs = random_signs(xt.shape[-1], seed, x.device)
@@ -57,8 +73,9 @@ def random_hadamard(x: torch.Tensor, *, block_size: int = 128, seed: int = 0, di
 
 def inverse_random_hadamard(
     y: torch.Tensor, *, block_size: int = 128, seed: int = 0, dim: int = -1
-):
-    """Undo ``random_hadamard`` with the same block size and seed."""
+) -> torch.Tensor:
+    """Undo ``random_hadamard`` with the same block size, seed and dim (float32 result, y's
+    shape; the errors of ``random_hadamard``)."""
     dim = _check(y, block_size, dim)
     yt = y.movedim(dim, -1).to(torch.float32)
     signs = random_signs(yt.shape[-1], seed, y.device)

@@ -18,17 +18,31 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_lowprec.formats import scale_to_float
+from gem_lowprec.codec import decode, scale_to_float
 
 
 @dataclass(frozen=True)
 class MXLayout:
+    """Where an MXTensor's blocks lie: ``"1x32"`` along ``axis``, or ``"32x32"`` tiles."""
+
     kind: str  # "1x32" or "32x32"
     axis: int | None = None  # non-negative block axis for "1x32"
     block_size: int = 32
 
 
 class MXTensor:
+    """MX data, its E8M0 scales and their layout (see the module docstring).
+
+    Args:
+        data: float8_e4m3fn or float8_e5m2, the quantized tensor's shape.
+        scale: uint8 E8M0 bytes, the shape ``layout`` gives for ``data``.
+        layout: an ``MXLayout``.
+
+    Raises:
+        TypeError: data not float8, or scale not uint8.
+        ValueError: scale's shape does not match data's in ``layout``.
+    """
+
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, layout: MXLayout):
         if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(f"data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
@@ -72,16 +86,18 @@ class MXTensor:
         A block whose amax is within 1/8 binade of the largest float can round up to 2^128
         (e.g. the largest bf16 becomes 256 · 2^120): that value dequantizes to ±inf.
         """
-        values = self.data.to(torch.float32) * scale_to_float(self.scale_per_element())
-        return values.to(dtype)
+        return decode(self.data, self.scale_per_element(), dtype)
 
     def t(self) -> "MXTensor":
+        """The transpose of a 2-D MXTensor, sharing its bytes (``mT``)."""
         if self.data.dim() != 2:
             raise ValueError(f"t() needs a 2-D MXTensor, this one has shape {tuple(self.shape)}")
         return self.mT
 
     @property
     def mT(self) -> "MXTensor":
+        """The transpose of the last two dims, sharing the bytes; a 1×32 block axis among them
+        moves with it."""
         nd = self.data.dim()
         if nd < 2:
             raise ValueError("mT needs at least 2 dimensions")

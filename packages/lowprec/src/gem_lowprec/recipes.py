@@ -21,27 +21,39 @@ not find the fp8 path ``min_speedup`` times faster than BF16, run in BF16 and sa
 """
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
+RecipeName = Literal["mxfp8", "fp8_rowwise", "bf16"]
 RECIPES = ("mxfp8", "fp8_rowwise", "bf16")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
+    """The fp8 element formats of the operands and the MX scale rule."""
+
     elem_dtype: torch.dtype = torch.float8_e4m3fn  # forward operands
     grad_elem_dtype: torch.dtype = torch.float8_e4m3fn  # the output gradient
-    scale_mode: str = "rceil"  # MX scale rule (mxfp8 only)
+    scale_mode: Literal["rceil", "floor"] = "rceil"  # MX scale rule (mxfp8 only)
 
 
 @dataclass(frozen=True)
 class WeightGradConfig:
-    precision: str = "bf16"  # "bf16" or "fp8"
+    """The weight-gradient's precision, and the optional Hadamard rotation before fp8."""
+
+    precision: Literal["bf16", "fp8"] = "bf16"
     hadamard_block: int | None = None  # random Hadamard along tokens before fp8 quantization
 
 
 @dataclass(frozen=True)
 class FallbackConfig:
+    """When a shape falls back to BF16 (``gem_lowprec.fallback``).
+
+    Raises:
+        ValueError: ``min_speedup`` below 1.
+    """
+
     measure_on_gpu: bool = True  # time fp8 vs BF16 fwd+bwd once per (K, N, M bucket), keep faster
     warn: bool = True  # warn once per shape that falls back
     # fp8 is kept only when its median time (three interleaved rounds) beats BF16's by this
@@ -55,7 +67,14 @@ class FallbackConfig:
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str = "mxfp8"
+    """A low-precision recipe: its name and one config per concern.
+
+    Raises:
+        ValueError: an unknown name or weight-gradient precision, or a Hadamard block that is
+            not a power of two in [16, 256].
+    """
+
+    name: RecipeName = "mxfp8"
     quant: QuantConfig = field(default_factory=QuantConfig)
     weight_grad: WeightGradConfig = field(default_factory=WeightGradConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
@@ -75,9 +94,25 @@ class Recipe:
 
 
 def recipe(
-    name: str, *, weight_grad: str = "bf16", hadamard_block: int | None = None, **quant
+    name: RecipeName,
+    *,
+    weight_grad: Literal["bf16", "fp8"] = "bf16",
+    hadamard_block: int | None = None,
+    **quant,
 ) -> Recipe:
-    """Shorthand: ``recipe("mxfp8", weight_grad="fp8")``; extra keywords go to ``QuantConfig``."""
+    """Shorthand for a ``Recipe`` with the default fallback: ``recipe("mxfp8",
+    weight_grad="fp8")``.
+
+    Args:
+        name: ``"mxfp8"``, ``"fp8_rowwise"`` or ``"bf16"``.
+        weight_grad: the weight-gradient's precision.
+        hadamard_block: a random Hadamard transform along tokens before an fp8 weight-gradient
+            (a power of two in [16, 256]), or None.
+        **quant: ``QuantConfig`` fields (``elem_dtype``, ``grad_elem_dtype``, ``scale_mode``).
+
+    Raises:
+        ValueError: as for ``Recipe``; TypeError: an unknown ``QuantConfig`` field.
+    """
     return Recipe(
         name=name,
         quant=replace(QuantConfig(), **quant),

@@ -4,15 +4,29 @@
 ``every_pattern_matrix`` arranges them twice, in bit order (blocks of like magnitude) and
 shuffled (small values meet large scales), as a ``[*, 64]`` matrix whose row count is a multiple
 of 32; ``special_matrix`` is a 64×64 bf16 matrix with a zero tile, NaN, ±Inf, subnormal blocks,
-the largest bf16 and a negative zero.
+the largest bf16 and a negative zero. ``assert_within_reference_error`` is the project's
+tolerance rule for kernels that are not bit-exact (the fused SwiGLU gate).
 """
 
 import torch
 
-__all__ = ["all_finite_bf16", "every_pattern_matrix", "special_matrix"]
+__all__ = [
+    "all_finite_bf16",
+    "assert_within_reference_error",
+    "every_pattern_matrix",
+    "special_matrix",
+]
+
+_EPS = {
+    torch.float16: 2.0**-10,
+    torch.bfloat16: 2.0**-7,
+    torch.float32: 2.0**-23,
+    torch.float64: 2.0**-52,
+}
 
 
 def all_finite_bf16() -> torch.Tensor:
+    """Every finite bf16 bit pattern, in bit order, as a 1-D bf16 tensor of 65280 elements."""
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16)
     return x[torch.isfinite(x)]  # 65280 finite patterns (with ±0 and subnormals)
@@ -41,3 +55,45 @@ def special_matrix() -> torch.Tensor:
     x[10, 35] = big[0]
     x[11, 36] = -big[0]
     return x
+
+
+def _max_abs_err(x: torch.Tensor, ref64: torch.Tensor) -> float:
+    if x.numel() == 0:
+        return 0.0
+    return (x.detach().to(torch.float64) - ref64.detach().to(torch.float64)).abs().max().item()
+
+
+def assert_within_reference_error(
+    actual: torch.Tensor,
+    reference_lowp: torch.Tensor,
+    reference_fp64: torch.Tensor,
+    *,
+    factor: float,
+    name: str = "output",
+    floor_ulps: float = 4.0,
+) -> None:
+    """Assert ``err(actual) <= factor * err(reference_lowp) + floor`` with errors against fp64.
+
+    ``err`` is the largest absolute difference; ``floor`` is ``floor_ulps`` units of the low
+    dtype's epsilon times the largest magnitude of the fp64 result (at least 1).
+
+    Raises:
+        AssertionError: a shape mismatch, a NaN the fp64 result does not have, or the bound
+            exceeded.
+    """
+    if actual.shape != reference_fp64.shape:
+        raise AssertionError(
+            f"{name}: shape {tuple(actual.shape)} != expected {tuple(reference_fp64.shape)}"
+        )
+    if torch.isnan(actual).any() and not torch.isnan(reference_fp64).any():
+        raise AssertionError(f"{name}: holds NaN where the fp64 reference has none")
+    err_actual = _max_abs_err(actual, reference_fp64)
+    err_ref = _max_abs_err(reference_lowp, reference_fp64)
+    scale = max(1.0, reference_fp64.detach().abs().max().item() if reference_fp64.numel() else 1.0)
+    floor = floor_ulps * _EPS.get(actual.dtype, 2.0**-23) * scale
+    bound = factor * err_ref + floor
+    if not err_actual <= bound:
+        raise AssertionError(
+            f"{name}: max error {err_actual:.3e} against fp64 exceeds {factor}x the reference's "
+            f"{err_ref:.3e} in {reference_lowp.dtype} (+ floor {floor:.1e}) = {bound:.3e}"
+        )

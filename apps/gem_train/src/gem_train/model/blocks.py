@@ -9,19 +9,20 @@ all experts locally.
 """
 
 import torch
+from gem_lowprec import swiglu
+from gem_lowprec.ops.swiglu import swiglu_reference
 from gem_parallel import MoE, MoEConfig
 from torch import nn
 
 from gem_train.config import ModelConfig
 from gem_train.model.attention import HistorySelfAttention
 from gem_train.model.norm import RMSNorm
-from gem_train.model.swiglu import swiglu, swiglu_reference
 
 
 class SwiGLU(nn.Module):
     """``W2 (silu(W1 x) ⊙ W3 x)``, with ``W1`` and ``W3`` stacked into one linear ``w13`` (one
     GEMM, one quantization of ``x``) and, when ``fused``, the gate in one pass
-    (``gem_train.model.swiglu``)."""
+    (``gem_lowprec.swiglu``)."""
 
     def __init__(self, d_model: int, hidden: int, *, fused: bool = True):
         super().__init__()

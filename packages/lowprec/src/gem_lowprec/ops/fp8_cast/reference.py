@@ -5,7 +5,7 @@ A row-wise cast of ``x [R, C]`` gives every row one scale ``2^e``: the smallest 
 to a whole row, with ``e`` stored as an E8M0 byte. Power-of-two scales (torchao's rowwise recipe
 rounds its scales the same way) make ``x / 2^e`` exact, so the only rounding is the one
 round-to-nearest-even into the element format, saturated to ±max; the bits are those of the MX
-reference's integer encoder with one block per row.
+codec's integer encoder (``gem_lowprec.codec``) with one block per row.
 
 A column-wise cast gives every column one scale over all rows and stores the result transposed
 (``[C, R]``, the operand layout a GEMM contracting over R wants). It may first multiply row ``r``
@@ -15,8 +15,7 @@ the per-token scale of the other operand of a weight-gradient GEMM into this one
 """
 
 import torch
-from gem_lowprec.formats import ElemFormat, scale_to_float
-from gem_lowprec.ops.mx_quantize.reference import encode, fp32_bits, scale_bytes
+from gem_lowprec.codec import ElemFormat, encode, fp32_bits, scale_bytes, scale_to_float
 
 _INF_BITS = 0x7F800000
 _QUIET_NAN_BITS = 0x7FC00000

@@ -1,5 +1,5 @@
 """Triton MX quantize kernels: 1×32 row-wise blocks, 32×32 tiles, and row-wise plus column-wise
-1×32 copies of a matrix from one read.
+1×32 copies of a matrix from one read (the merges to 1×128 blocks are in ``triton_k128.py``).
 
 Legend (shape suffixes): ``M`` rows of x, ``K`` columns of x (x is ``[M, K]`` contiguous),
 ``Mb = M/32``, ``Kb = K/32``; ``B`` MX blocks held by a program, ``KB`` 32-column blocks held by
@@ -23,161 +23,26 @@ Stages of every program:
 1. Load the tile once, widen to float32, take ``|x|`` bit patterns (integers order like the
    values; a pattern ``>= 0x7F800000`` is NaN/Inf).
 2. Reduce those patterns to the block amax and turn each amax into its E8M0 byte (the integer
-   rule of the reference), once per block, not per element.
-3. Encode the elements. On a GPU: multiply by ``2^−e`` (exact in float32 until the result drops
-   below 2^−126, which rounds to zero in fp8 either way; a NaN/Inf block multiplies by NaN) and
-   let the hardware's round-to-nearest-even ``satfinite`` cast do the rest: it saturates to ±max
-   and turns NaN into the format's NaN byte, so each element costs one multiply and half a
-   packed cast instruction. Under Triton's interpreter, whose fp32 -> fp8 cast rounds wrongly, and for stochastic
-   rounding, the reference's integer encoder runs instead (``HW_CONVERT=False``); both are
-   checked bit for bit against the reference, the integer one on every bf16 bit pattern on CPU
-   and the hardware one likewise on the GPU.
+   rule of the codec), once per block, not per element.
+3. Encode the elements (``_triton_codec.encode``: the hardware cast on a GPU, the integer
+   encoder under the interpreter and for stochastic rounding).
 4. Store the fp8 bytes and the scale bytes.
 
 Launch shapes live in one small dataclass per kernel (``RowsTiles``, ``Tile2dTiles``,
-``RowColTiles``); the defaults are the best of the sweep in ``benchmarks/lowprec/
-bench_mx_quantize.py --sweep`` on an H200, and under the interpreter fewer, larger programs.
+``RowColTiles``); the GPU defaults are the fastest of the sweep in ``benchmarks/lowprec/
+bench_mx_quantize.py --sweep`` (docs/design/lowprec.md has the numbers), and under the
+interpreter fewer, larger programs.
 """
 
-import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import triton
 import triton.language as tl
 from gem_lowprec._intmath import cdiv
-from gem_lowprec.formats import ElemFormat
-from gem_lowprec.ops.mx_quantize.reference import seed_key
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def scale_byte(amax_bits, EMAX_EXP: tl.constexpr, RCEIL: tl.constexpr):
-    """E8M0 byte (int32) of blocks whose amax has float32 bits ``amax_bits``; 255 for NaN/Inf."""
-    byte = (amax_bits >> 23) - EMAX_EXP
-    if RCEIL:
-        byte += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    byte = tl.minimum(tl.maximum(byte, 0), 254)
-    return tl.where(amax_bits >= 0x7F800000, 255, byte)
-
-
-@triton.jit
-def load_as_float32(ptrs, mask, IN_BF16: tl.constexpr):
-    """Load and widen to float32. bf16 arrives as int16 bits and is widened by a shift (exact for
-    subnormals too, which the interpreter's bf16 cast flushes)."""
-    if IN_BF16:
-        raw = tl.load(ptrs, mask=mask, other=0)
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def lowbias32(x):
-    """Wellons' 32-bit hash on int64 values in [0, 2^32) (same as the reference)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def encode_hw(x_f32, byte, E4M3: tl.constexpr):
-    """fp8 bytes of x / 2^(byte − 127) through the hardware round-to-nearest-even cast.
-
-    Per block (``byte`` is a block vector broadcast against ``x_f32``): ``2^−e``, or NaN for a
-    NaN/Inf block, so that every element of such a block becomes NaN by the product alone. Per
-    element: one multiply and the ``satfinite`` cast, which saturates to ±max and maps NaN to the
-    format's NaN byte (0x7F for both formats), as the reference does."""
-    inv_scale = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^−e
-    inv_scale = tl.where(byte == 255, float("nan"), inv_scale)
-    v = x_f32 * inv_scale
-    if E4M3:
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def encode_int(
-    x_bits,
-    byte,
-    noise,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    MAX_BITS: tl.constexpr,
-    NAN_BITS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    """fp8 bytes of x / 2^(byte − 127) by integer arithmetic (the reference's ``encode``)."""
-    sign = (x_bits >> 31) & 1
-    magnitude = x_bits & 0x7FFFFFFF
-    biased_exp = magnitude >> 23
-    mantissa = magnitude & 0x7FFFFF
-    normal = biased_exp > 0
-    sig = tl.where(normal, mantissa | 0x800000, mantissa)
-    lsb_exp = tl.maximum(biased_exp, 1) - 150
-    top_bit = (mantissa.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
-    log2_x = tl.where(normal, biased_exp - 127, top_bit - 149)
-    e = byte - 127
-    exp_scaled = tl.maximum(log2_x - e, EMIN)
-    shift = tl.maximum(e + exp_scaled - MBITS - lsb_exp, 0)
-    if STOCHASTIC:
-        shift_c = tl.minimum(shift, 32).to(tl.int64)
-        n64 = (sig.to(tl.int64) + (noise >> (32 - shift_c))) >> shift_c
-        n = tl.where(shift <= 32, n64, 0).to(tl.int32)
-    else:
-        shift = tl.minimum(shift, 30)
-        n = sig >> shift
-        remainder = sig - (n << shift)
-        half = (tl.full(shift.shape, 1, tl.int32) << shift) >> 1
-        round_up = (remainder > half) | ((remainder == half) & (half > 0) & ((n & 1) == 1))
-        n = n + round_up.to(tl.int32)
-    out = ((exp_scaled - EMIN) << MBITS) + n
-    out = tl.minimum(tl.where(sig == 0, 0, out), MAX_BITS)
-    return tl.where(byte == 255, NAN_BITS, out | (sign << 7))
-
-
-@triton.jit
-def encode(
-    x_f32,
-    byte,
-    noise,
-    E4M3: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    MAX_BITS: tl.constexpr,
-    MAX_VALUE: tl.constexpr,
-    NAN_BITS: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    """uint8 fp8 bytes of ``x_f32 / 2^(byte − 127)``, ``byte`` broadcast per block. The hardware
-    cast on a GPU, the integer encoder under the interpreter and for stochastic rounding (with
-    ``noise``, 32 random bits per element). ``MAX_VALUE`` stays in the shared signature (the
-    fp8 casts pass it): the ``satfinite`` cast saturates at it by itself."""
-    if HW_CONVERT and not STOCHASTIC:
-        return encode_hw(x_f32, byte, E4M3)
-    x_bits = x_f32.to(tl.int32, bitcast=True)
-    q = encode_int(x_bits, byte, noise, MBITS, EMIN, MAX_BITS, NAN_BITS, STOCHASTIC)
-    return q.to(tl.uint8)
-
-
-@triton.jit
-def decode(
-    q, E4M3: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, HW_CONVERT: tl.constexpr
-):
-    """fp8 bytes (int32) -> exact float32 values (NaN bytes are the caller's business)."""
-    if HW_CONVERT:
-        if E4M3:
-            return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return q.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
-    exp_field = (q & 0x7F) >> MBITS
-    mantissa = q & ((1 << MBITS) - 1)
-    normal_bits = ((exp_field - (1 - EMIN) + 127) << 23) | (mantissa << (23 - MBITS))
-    subnormal = mantissa.to(tl.float32) * (2.0 ** (EMIN - MBITS))
-    magnitude = tl.where(exp_field > 0, normal_bits.to(tl.float32, bitcast=True), subnormal)
-    return tl.where((q & 0x80) != 0, -magnitude, magnitude)
+from gem_lowprec._triton_codec import decode, encode, load_as_float32, lowbias32, scale_byte
+from gem_lowprec.codec import ElemFormat, seed_key
+from gem_lowprec.ops.launch import AUTO_LAUNCH, Launch
 
 
 @triton.jit
@@ -465,39 +330,54 @@ class RowColTiles:
     num_warps: int = 4
 
 
-# On a GPU: the dataclass defaults, the fastest of the benchmark's sweep on an H200 (2026-11-29:
-# rows 128 blocks/4 warps 99.6 us on Q1, within 1% of the fastest and the fastest for the merge
-# to 1x128; 32x32 strips of 256 columns/4 warps 106 us; both-ways tiles 32x128/4 warps 322 us).
-# Under the interpreter each program is a round of numpy calls: few, large tiles run fastest.
+Tiles = RowsTiles | Tile2dTiles | RowColTiles
+# On a GPU: the dataclass defaults, the fastest of the benchmark's sweep. Under the interpreter
+# each program is a round of numpy calls: few, large tiles run fastest.
 GPU_TILES = (RowsTiles(), Tile2dTiles(), RowColTiles())
 INTERPRETER_TILES = (RowsTiles(512, 4), Tile2dTiles(64, 4, 16), RowColTiles(256, 64, 4))
+TILES_OF_LAYOUT = {
+    "rows": RowsTiles,
+    "tile2d": Tile2dTiles,
+    "cols": RowColTiles,
+    "rowcol": RowColTiles,
+}
 
 
-def default_tiles(device: torch.device):
-    """(rows, tile2d, rowcol) launch shapes for ``device``."""
-    if INTERPRETING or device.type != "cuda":
-        return INTERPRETER_TILES
-    return GPU_TILES
+def default_tiles(x: torch.Tensor, launch: Launch = AUTO_LAUNCH):
+    """(rows, tile2d, rowcol) launch shapes for ``x`` under ``launch``."""
+    return GPU_TILES if launch.gpu_shapes(x) else INTERPRETER_TILES
 
 
-def format_constants(fmt: ElemFormat) -> dict:
-    return {
-        "E4M3": fmt.name == "e4m3",
-        "MBITS": fmt.mbits,
-        "EMIN": fmt.emin,
-        "EMAX_EXP": fmt.emax_exp,
-        "MAX_BITS": fmt.max_bits,
-        "MAX_VALUE": fmt.max_value,
-        "NAN_BITS": fmt.nan_bits,
-    }
+def tiles_as_ints(tiles: Tiles | None) -> list[int] | None:
+    """A launch shape as the int list the custom op's schema carries (None stays None)."""
+    return None if tiles is None else list(astuple(tiles))
 
 
-def use_hw_convert(x: torch.Tensor, force_integer: bool) -> bool:
-    return x.is_cuda and not INTERPRETING and not force_integer
+def tiles_from_ints(layout: str, ints: list[int] | None) -> Tiles | None:
+    """The launch shape of ``layout``'s kernel from ``tiles_as_ints``."""
+    return None if ints is None else TILES_OF_LAYOUT[layout](*(int(i) for i in ints))
 
 
-def _needs_wide_index(x: torch.Tensor) -> bool:
+def needs_wide_index(x: torch.Tensor) -> bool:
+    """64-bit offsets only for tensors past 2^31 elements (less a margin for masked tails)."""
     return x.numel() >= 2**31 - 2**20
+
+
+def launch_constants(x: torch.Tensor, fmt: ElemFormat, scale_mode: str, launch: Launch) -> dict:
+    """The constexprs every MX kernel shares: the format, the scale rule, the encoder, the input
+    dtype and the index width."""
+    return dict(
+        RCEIL=scale_mode == "rceil",
+        HW_CONVERT=launch.hardware_encoder(x),
+        IN_BF16=x.dtype == torch.bfloat16,
+        WIDE_INDEX=needs_wide_index(x),
+        **fmt.kernel_constants,
+    )
+
+
+def as_kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """bf16 goes in as its int16 bits (``load_as_float32`` widens them by a shift)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
 def mx_quantize(
@@ -509,14 +389,15 @@ def mx_quantize(
     tile_2d: bool,
     scale_mode: str,
     seed: int | None,
-    force_integer: bool = False,
-    tiles: RowsTiles | Tile2dTiles | RowColTiles | None = None,
+    tiles: Tiles | None = None,
+    launch: Launch = AUTO_LAUNCH,
 ):
     """Launch the quantizer on a contiguous ``[M, K]`` tensor (M, K multiples of 32).
 
     Returns ``(row_data [M, K], row_scale [M, Kb] or [Mb, Kb] for 32×32, col_data [K, M],
     col_scale [K, Mb])`` as uint8; outputs of layouts not asked for are empty. ``tiles``
-    overrides the launch shape of the kernel the layout picks (benchmark sweeps).
+    overrides the launch shape of the kernel the layout picks (benchmark sweeps); ``launch``
+    picks the default shapes and the encoder.
     """
     M, K = x_MK.shape
     dev = x_MK.device
@@ -530,16 +411,9 @@ def mx_quantize(
     col_scale = buffer((K, M // 32), cols)
     if M == 0 or K == 0:
         return row_data, row_scale, col_data, col_scale
-    rows_tiles, tile2d_tiles, rowcol_tiles = default_tiles(dev)
-    in_bf16 = x_MK.dtype == torch.bfloat16
-    x_arg = x_MK.view(torch.int16) if in_bf16 else x_MK
-    constants = dict(
-        RCEIL=scale_mode == "rceil",
-        HW_CONVERT=use_hw_convert(x_MK, force_integer),
-        IN_BF16=in_bf16,
-        WIDE_INDEX=_needs_wide_index(x_MK),
-        **format_constants(fmt),
-    )
+    rows_tiles, tile2d_tiles, rowcol_tiles = default_tiles(x_MK, launch)
+    x_arg = as_kernel_input(x_MK)
+    constants = launch_constants(x_MK, fmt, scale_mode, launch)
     if tile_2d:
         t = tiles or tile2d_tiles
         grid = (cdiv(M // 32, t.tile_rows), cdiv(K, t.block_k))
@@ -555,7 +429,7 @@ def mx_quantize(
             **constants,
         )
     elif rows and not cols:
-        _launch_rows(x_arg, row_data, row_scale, None, seed, tiles or rows_tiles, constants)
+        launch_rows(x_arg, row_data, row_scale, None, seed, tiles or rows_tiles, constants)
     else:
         t = tiles or rowcol_tiles
         grid = (cdiv(M, t.block_m), cdiv(K, t.block_k))
@@ -578,32 +452,9 @@ def mx_quantize(
     return row_data, row_scale, col_data, col_scale
 
 
-def mx_quantize_merged_k128(
-    x_MK: torch.Tensor, fmt: ElemFormat, *, scale_mode: str, tiles: RowsTiles | None = None
-):
-    """MX-quantize rows of a contiguous ``[M, K]`` (K % 128 == 0) and merge to 1×128 blocks:
-    returns (fp8 bytes uint8 ``[M, K]``, float32 scales ``[M, K/128]``)."""
-    M, K = x_MK.shape
-    data = torch.empty((M, K), dtype=torch.uint8, device=x_MK.device)
-    group_scale = torch.empty((M, K // 128), dtype=torch.float32, device=x_MK.device)
-    if M == 0:
-        return data, group_scale
-    in_bf16 = x_MK.dtype == torch.bfloat16
-    constants = dict(
-        RCEIL=scale_mode == "rceil",
-        HW_CONVERT=use_hw_convert(x_MK, False),
-        IN_BF16=in_bf16,
-        WIDE_INDEX=_needs_wide_index(x_MK),
-        **format_constants(fmt),
-    )
-    x_arg = x_MK.view(torch.int16) if in_bf16 else x_MK
-    _launch_rows(
-        x_arg, data, data, group_scale, None, tiles or default_tiles(x_MK.device)[0], constants
-    )
-    return data, group_scale
-
-
-def _launch_rows(x_arg, data, scale, group_scale, seed, tiles: RowsTiles, constants):
+def launch_rows(x_arg, data, scale, group_scale, seed, tiles: RowsTiles, constants):
+    """Launch ``mx_quantize_rows_kernel`` over all of ``x_arg``'s blocks; with ``group_scale``
+    (float32 ``[M, K/128]``) it merges them to 1×128 blocks."""
     n_blocks = x_arg.numel() // 32
     merge = group_scale is not None
     mx_quantize_rows_kernel[(cdiv(n_blocks, tiles.blocks),)](

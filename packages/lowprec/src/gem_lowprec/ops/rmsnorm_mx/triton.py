@@ -9,7 +9,7 @@ axes of one tile and no reshape moves data between threads.
 Stages: (1) load the rows once and widen to float32, and the weight once per program;
 (2) ``rstd = 1/sqrt(mean(x²) + eps)`` per row and ``y = x · rstd · weight``; (3) per 32-element
 block, the amax of ``|y|`` bit patterns gives the E8M0 byte and ``y`` is encoded exactly like
-``to_mx`` does (the shared ``encode`` of the quantize kernels); (4) store the fp8 bytes and the
+``to_mx`` does (the shared ``encode`` of ``gem_lowprec._triton_codec``); (4) store the fp8 bytes and the
 ``[BM, NB]`` scale bytes (contiguous rows of the ``[M, Nb]`` scale matrix). ``STORE_Y`` (tests
 only) also writes the float32 ``y`` so the quantization can be checked bit for bit against the
 reference.
@@ -21,15 +21,9 @@ import torch
 import triton
 import triton.language as tl
 from gem_lowprec._intmath import cdiv, next_power_of_2
-from gem_lowprec.formats import ElemFormat
-from gem_lowprec.ops.mx_quantize.triton import (
-    INTERPRETING,
-    encode,
-    format_constants,
-    load_as_float32,
-    scale_byte,
-    use_hw_convert,
-)
+from gem_lowprec._triton_codec import encode, load_as_float32, scale_byte
+from gem_lowprec.codec import ElemFormat
+from gem_lowprec.ops.launch import AUTO_LAUNCH, Launch
 
 
 @triton.jit
@@ -111,11 +105,8 @@ class RmsnormTiles:
         return max(1, self.elements // (next_power_of_2(n_features // 32) * 32))
 
 
-# On a GPU the dataclass defaults, the fastest of the benchmark's sweep on an H200 (2026-11-29,
-# Q3 [32768, 1024]: 4096 elements/4 warps 31.5 us; 8192/4 34.5; 8192/8 41.7; 16384/8 40.3).
-# Replayed from a CUDA graph (2026-11-30, two runs): 4096/4 34.1 and 32.1 us, 2048/2 33.2 and
-# 32.7, one row on 1 warp 32.4, 8192/4 38.0 and 34.9; persistent programs looping over row
-# blocks with pipelined loads were no faster (32.3-50.7).
+# On a GPU the dataclass defaults, the fastest of the benchmark's sweep (eager and replayed from
+# a CUDA graph; persistent programs looping over row blocks with pipelined loads are no faster).
 # Under the interpreter a few thousand elements per program keep numpy's arrays small.
 GPU_TILES = RmsnormTiles()
 INTERPRETER_TILES = RmsnormTiles(elements=2048, num_warps=4)
@@ -130,8 +121,12 @@ def rmsnorm_mx(
     *,
     store_y: bool = False,
     tiles: RmsnormTiles | None = None,
+    launch: Launch = AUTO_LAUNCH,
 ):
-    """Returns (data uint8 [M, N], scale uint8 [M, N/32], y float32 [M, N] or empty)."""
+    """Launch the fused kernel on a contiguous ``x [M, N]`` with ``weight [N]``. Returns (data
+    uint8 [M, N], scale uint8 [M, N/32], y float32 [M, N] or empty); ``store_y`` (tests) also
+    writes the float32 activation. ``tiles`` overrides the launch shape; ``launch`` picks the
+    default shapes and the encoder."""
     M, N = x_MN.shape
     dev = x_MN.device
     data = torch.empty((M, N), dtype=torch.uint8, device=dev)
@@ -140,7 +135,7 @@ def rmsnorm_mx(
     if M == 0:
         return data, scale, y
     if tiles is None:
-        tiles = INTERPRETER_TILES if INTERPRETING or not x_MN.is_cuda else GPU_TILES
+        tiles = GPU_TILES if launch.gpu_shapes(x_MN) else INTERPRETER_TILES
     block_m = min(tiles.block_m(N), next_power_of_2(M))
     in_bf16 = x_MN.dtype == torch.bfloat16
     w_bf16 = weight_N.dtype == torch.bfloat16
@@ -156,12 +151,12 @@ def rmsnorm_mx(
         BLOCK_M=block_m,
         NB=next_power_of_2(N // 32),
         RCEIL=scale_mode == "rceil",
-        HW_CONVERT=use_hw_convert(x_MN, False),
+        HW_CONVERT=launch.hardware_encoder(x_MN),
         IN_BF16=in_bf16,
         W_BF16=w_bf16,
         STORE_Y=store_y,
         WIDE_INDEX=x_MN.numel() >= 2**31 - 2**20,
         num_warps=tiles.num_warps,
-        **format_constants(fmt),
+        **fmt.kernel_constants,
     )
     return data, scale, y

@@ -1,17 +1,16 @@
-"""MX quantizers: bit-exact kernels, the reference against torch's own casts, special values,
-SQNR yardsticks, stochastic rounding and input errors."""
+"""MX quantizers: bit-exact kernels (1×32, 32×32, both ways, and merged to 1×128 blocks),
+special values, SQNR yardsticks, stochastic rounding, launch shapes and input errors."""
 
 import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from gem_lowprec import MXTensor, to_mx, to_mx_2d, to_mx_rowcol
-from gem_lowprec.formats import E4M3, E5M2
-from gem_lowprec.ops.mx_quantize import reference
-from gem_lowprec.testing import all_finite_bf16, every_pattern_matrix, special_matrix
+from gem_lowprec.ops.mx_quantize import quantize_mx_k128, quantize_mx_k128_rowcol
+from gem_lowprec.ops.mx_quantize.reference import merge_k128
+from gem_lowprec.testing import every_pattern_matrix, special_matrix
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -40,39 +39,6 @@ def test_triton_bit_exact(elem, mode, source):
     assert_same_mx(cols, to_mx(x, axis=0, backend="reference", **kw))
     assert_same_mx(to_mx_2d(x, backend="triton", **kw), to_mx_2d(x, backend="reference", **kw))
     assert_same_mx(to_mx(x, backend="triton", **kw), rows)  # the row-only block-slab kernel
-
-
-@pytest.mark.parametrize("elem", FORMATS, ids=["e4m3", "e5m2"])
-def test_reference_elements_match_torch_cast(elem):
-    """With scale 2^0 the reference's integer RNE is torch's own fp32 -> fp8 cast (after the
-    saturation torch's cast does not do), on every bf16 pattern and on random float32."""
-    fmt = E4M3 if elem == torch.float8_e4m3fn else E5M2
-    gen = torch.Generator().manual_seed(2)
-    rand32 = torch.randn(1 << 16, generator=gen) * torch.exp2(
-        torch.randint(-40, 16, (1 << 16,), generator=gen).float()
-    )
-    for v in (all_finite_bf16().float(), rand32):
-        v = v.clamp(-fmt.max_value, fmt.max_value)
-        got = reference.encode(reference.fp32_bits(v), torch.full(v.shape, 127), fmt)
-        assert torch.equal(got, v.to(elem).view(torch.uint8))
-
-
-@pytest.mark.parametrize("elem", FORMATS, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("mode", MODES)
-def test_scale_rule_against_definition(elem, mode):
-    """The integer scale rule equals the definition evaluated exactly in float64."""
-    fmt = E4M3 if elem == torch.float8_e4m3fn else E5M2
-    amax = all_finite_bf16().float().abs().unique()
-    got = reference.scale_bytes(reference.fp32_bits(amax), fmt, mode).to(torch.int64) - 127
-    a = amax.double()
-    if mode == "rceil":  # smallest e with amax / 2^e <= max_value
-        e = torch.ceil(torch.log2(a / fmt.max_value))
-        e = torch.where(a / torch.exp2(e - 1) <= fmt.max_value, e - 1, e)
-        e = torch.where(a / torch.exp2(e) > fmt.max_value, e + 1, e)
-    else:
-        e = torch.floor(torch.log2(a)) - fmt.emax_exp
-    e = torch.where(a == 0, torch.full_like(e, -127), e).clamp(-127, 127)
-    assert torch.equal(got, e.to(torch.int64))
 
 
 def test_special_values_semantics():
@@ -230,14 +196,13 @@ def test_gpu_hardware_cast_bit_exact(elem, mode):
             assert_same_mx(MXTensor(got.data.cpu(), got.scale.cpu(), got.layout), ref)
 
 
-def test_benchmark_smoke(monkeypatch, capsys):
+def test_benchmark_smoke(capsys):
     """``bench_mx_quantize.py --smoke --sweep`` runs (tiny shapes, CPU, kernels interpreted)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "lowprec" / "bench_mx_quantize.py"
     spec = importlib.util.spec_from_file_location("bench_mx_quantize", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(sys, "argv", [str(path), "--smoke", "--sweep"])
-    bench.main()
+    bench.main(["--smoke", "--sweep"])
     out = capsys.readouterr().out
     assert "launch-shape sweep" in out and "Q3 rmsnorm+1x32" in out
 
@@ -245,7 +210,8 @@ def test_benchmark_smoke(monkeypatch, capsys):
 def test_eager_fast_path_and_dispatch_modes():
     """Plain eager calls skip the custom op's dispatcher; under a dispatch mode (fake tensors)
     the op runs, so shapes propagate without touching data; both paths give the same bytes."""
-    from gem_lowprec.ops.mx_quantize import eager_path_allowed, mx_quantize_op
+    from gem_lowprec._checks import eager_path_allowed
+    from gem_lowprec.ops.mx_quantize import mx_quantize_op
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
@@ -258,3 +224,133 @@ def test_eager_fast_path_and_dispatch_modes():
         assert not eager_path_allowed(fake)
         mx = to_mx_2d(fake)
         assert mx.data.shape == (64, 96) and mx.scale.shape == (2, 3)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+
+
+def _assert_same(got, want) -> None:
+    for field, (g, w) in enumerate(zip(got, want, strict=True)):
+        g, w = _bits(g), _bits(w)
+        assert g.shape == w.shape, (field, g.shape, w.shape)
+        bad = (g != w).nonzero()
+        assert not len(bad), (
+            f"output {field} {tuple(g.shape)}: {len(bad)} differ, first at "
+            f"{bad[:6].tolist()}: got {[hex(g[tuple(i)]) for i in bad[:6]]} "
+            f"want {[hex(w[tuple(i)]) for i in bad[:6]]}"
+        )
+
+
+def test_merge_k128_is_exact_while_values_stay_normal():
+    gen = torch.Generator().manual_seed(0)
+    # four blocks per 128 with magnitudes 1, 2, 4, 8: shifts of at most 3 binades stay normal
+    x = torch.randn(8, 256, generator=gen) * torch.tensor([1.0, 2, 4, 8]).repeat_interleave(
+        32
+    ).repeat(2)
+    mx = to_mx(x)
+    data, scale = merge_k128(mx)
+    merged = data.float() * scale.repeat_interleave(128, dim=1)
+    assert torch.equal(merged, mx.dequantize())
+    # a block 2^20 below its neighbours loses its values to the shift (rounded, not garbage)
+    x[:, 0:32] *= 2.0**-20
+    mx = to_mx(x)
+    data, scale = merge_k128(mx)
+    merged = data.float() * scale.repeat_interleave(128, dim=1)
+    assert torch.equal(merged[:, 32:], mx.dequantize()[:, 32:])
+    assert (
+        merged[:, :32].abs() <= mx.dequantize()[:, :32].abs() * 2 + 2.0**-9 * scale[:, :1]
+    ).all()
+
+
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fused_quantize_merge_kernel_bit_exact(elem):
+    """The Triton quantize+merge kernel equals merge_k128(to_mx(x)) on every finite bf16 pattern
+    (shuffled so that blocks of very different magnitude share a 1x128 group) and specials."""
+    x = every_pattern_matrix().reshape(-1, 128)
+    for t in (x, special_matrix().reshape(-1, 128)):
+        data, scale = quantize_mx_k128(t, elem, backend="triton")
+        ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
+        assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+        assert torch.allclose(scale, ref_scale, rtol=0, atol=0, equal_nan=True)
+
+
+def _rowcol_inputs():
+    every = every_pattern_matrix().reshape(-1, 128)  # 1020 rows: pad to a multiple of 128
+    every = torch.cat([every, torch.zeros(1024 - every.shape[0], 128, dtype=every.dtype)])
+    sp = special_matrix()
+    sp = torch.cat([torch.cat([sp, sp.flip(0)]), torch.cat([sp.flip(1), sp * 3])], dim=1)
+    return [every, sp, torch.randn(256, 384, generator=torch.Generator().manual_seed(5))]
+
+
+def _check_rowcol(elem, device: str, backend: str) -> None:
+    every, *small = _rowcol_inputs()
+    for scale_mode, inputs in (("rceil", [every, *small]), ("floor", small)):
+        for x in inputs:
+            got = quantize_mx_k128_rowcol(
+                x.to(device), elem, scale_mode=scale_mode, backend=backend
+            )
+            want = quantize_mx_k128_rowcol(x, elem, scale_mode=scale_mode, backend="reference")
+            for g, w in zip(got, want, strict=True):
+                _assert_same(g, w)
+
+
+@pytest.mark.parametrize("elem", FORMATS, ids=["e4m3", "e5m2"])
+def test_triton_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
+    """Both 1×128-merged MX copies from one read equal merge_k128(to_mx(x)) and
+    merge_k128(to_mx(xᵀ)) on every finite bf16 pattern (sorted and shuffled), specials, floats."""
+    _check_rowcol(elem, "cpu", "triton")
+
+
+def test_mx_rowcol_k128_refuses_unaligned_shapes():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_mx_k128_rowcol(torch.zeros(128, 96))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elem", FORMATS, ids=["e4m3", "e5m2"])
+def test_gpu_mx_rowcol_k128_matches_reference_bit_for_bit(elem):
+    _check_rowcol(elem, "cuda", "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_gpu_fused_quantize_merge_bit_exact(elem):
+    x = every_pattern_matrix().reshape(-1, 128)
+    for t in (x, special_matrix().reshape(-1, 128)):
+        data, scale = quantize_mx_k128(t.cuda(), elem)
+        ref_data, ref_scale = merge_k128(to_mx(t, elem_dtype=elem, backend="reference"))
+        assert torch.equal(data.cpu().view(torch.uint8), ref_data.view(torch.uint8))
+        assert torch.allclose(scale.cpu(), ref_scale, rtol=0, atol=0, equal_nan=True)
+
+
+def test_launch_shapes_are_arguments_and_change_no_byte():
+    """Launch shapes passed to the public functions (the benchmark's sweep winners) reach the
+    kernels through the custom op and give the reference's bytes; so do the GPU launch shapes
+    and the integer encoder chosen explicitly by ``Launch`` under the interpreter."""
+    from gem_lowprec.codec import E4M3
+    from gem_lowprec.ops.launch import Launch
+    from gem_lowprec.ops.mx_quantize import triton as kernels
+    from gem_lowprec.ops.mx_quantize import triton_k128
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    ref = to_mx(x, backend="reference")
+    assert_same_mx(to_mx(x, backend="triton", tiles=kernels.RowsTiles(64, 4)), ref)
+    assert_same_mx(to_mx_2d(x, backend="triton", tiles=kernels.Tile2dTiles(128, 4, 2)),
+                   to_mx_2d(x, backend="reference"))  # fmt: skip
+    rows, cols = to_mx_rowcol(x, backend="triton", tiles=kernels.RowColTiles(64, 128, 4))
+    assert_same_mx(rows, ref)
+    assert_same_mx(cols, to_mx(x, axis=0, backend="reference"))
+    assert kernels.tiles_from_ints("rows", kernels.tiles_as_ints(kernels.RowsTiles(64, 2))) == (
+        kernels.RowsTiles(64, 2)
+    )
+    gpu = Launch(shapes="gpu", encoder="integer")
+    got = kernels.mx_quantize(
+        x, E4M3, rows=True, cols=False, tile_2d=False, scale_mode="rceil", seed=None, launch=gpu
+    )
+    assert torch.equal(got[0], bits(ref.data)) and torch.equal(got[1], ref.scale)
+    data, scale = triton_k128.mx_quantize_merged_k128(x, E4M3, scale_mode="rceil", launch=gpu)
+    ref_data, ref_scale = merge_k128(ref)
+    assert torch.equal(data, bits(ref_data)) and torch.equal(scale, ref_scale)
+    with pytest.raises(ValueError):
+        Launch(shapes="tpu")
