@@ -56,6 +56,15 @@ class GatherLog:
 
 
 class FP8AllGatherWeight(torch.Tensor):
+    """A weight shard that FSDP2 all-gathers as MX bytes + E8M0 scales (see the module).
+
+    Args:
+        tensor: the high-precision shard ``[rows, in_features]`` (in_features % 32 == 0).
+        elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        scale_mode: ``"rceil"`` or ``"floor"``.
+        gather_log: the ``GatherLog`` shared by the shard's views (a new one by default).
+    """
+
     @staticmethod
     def __new__(
         cls,
@@ -144,8 +153,18 @@ def enable_fp8_all_gather(
     scale_mode: str = "rceil",
     keep_gathered: bool = False,
 ) -> list[str]:
-    """Wrap the weight of every ``nn.Linear`` with ``in_features % 32 == 0``; returns their names.
-    ``keep_gathered`` keeps a copy of each last gathered MX weight in ``weight.gather_log``."""
+    """Wrap the weight of every ``nn.Linear`` of ``model`` with ``in_features % 32 == 0`` in an
+    ``FP8AllGatherWeight`` (in place; call before ``fully_shard``).
+
+    Args:
+        model: any module.
+        elem_dtype: the gathered element format (``torch.float8_e4m3fn`` or ``float8_e5m2``).
+        scale_mode: the MX scale rule, ``"rceil"`` or ``"floor"``.
+        keep_gathered: keep a copy of each last gathered MX weight in ``weight.gather_log``.
+
+    Returns:
+        The qualified names of the wrapped linears.
+    """
     wrapped = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and mod.in_features % 32 == 0:

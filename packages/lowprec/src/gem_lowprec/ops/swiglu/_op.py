@@ -9,6 +9,7 @@ from gem_lowprec.ops.swiglu.reference import swiglu_backward_reference, swiglu_r
 
 @torch.library.custom_op("gem_lowprec::swiglu", mutates_args=())
 def swiglu_op(u: torch.Tensor, backend: str) -> torch.Tensor:
+    """``h [T, F]`` of a contiguous-able ``u [T, 2F]`` on ``backend`` ("triton" or "reference")."""
     if backend == "triton":
         from gem_lowprec.ops.swiglu.triton import swiglu_forward_triton
 
@@ -23,6 +24,7 @@ def _(u, backend):
 
 @torch.library.custom_op("gem_lowprec::swiglu_backward", mutates_args=())
 def swiglu_backward_op(u: torch.Tensor, dh: torch.Tensor, backend: str) -> torch.Tensor:
+    """``du [T, 2F]`` of ``u [T, 2F]`` and ``dh [T, F]`` on ``backend``."""
     if backend == "triton":
         from gem_lowprec.ops.swiglu.triton import swiglu_backward_triton
 
