@@ -20,7 +20,7 @@ from .integrations import (
     kjt_sub_batch_cost,
 )
 from .partition import METHODS, max_over_mean, part_loads, partition
-from .planner import batch_target, plan_local_batch
+from .local_batch import batch_target, plan_local_batch
 from .shuffler import BaseBatchShuffler, ShufflerConfig, ShufflerStats
 
 __all__ = [

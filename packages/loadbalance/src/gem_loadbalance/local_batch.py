@@ -1,8 +1,8 @@
-"""Planning one local batch: which pooled samples leave now, so the batch costs what every rank aims at.
+"""Composing one local batch: which pooled samples leave now, so the batch costs what every rank aims at.
 
 Each rank sees only its own stream, yet every rank's step should cost the same. The shuffler
 holds a pool of samples (the batch being formed, the look-ahead, and samples held back from
-earlier batches) and asks the planner for ``count`` of them whose total cost lands on a
+earlier batches) and asks ``plan_local_batch`` for ``count`` of them whose total cost lands on a
 ``target``. The targets of all ranks agree without talking because they come from the same
 quantity: the expected cost of a sample (``mean_cost``), which every rank estimates from the same
 length distribution or receives from a shared calibration.
@@ -29,7 +29,8 @@ length distribution or receives from a shared calibration.
        search over sorted costs) move the total onto the target; with hundreds of candidates the
        residual is usually a few parts per million.
 
-Everything is numpy over at most a few thousand floats: well under 5 ms per 1024-sample batch.
+Everything is numpy over at most a few thousand floats, so composing a batch costs far less
+than the step it feeds.
 """
 
 import numpy as np
