@@ -21,7 +21,6 @@ call on one process group, as torch runs it):
   real gradients touch only the looked-up rows); plain 2D all-reduces the shard's gradient.
 """
 
-import functools
 from dataclasses import dataclass, field
 
 from gem_parallel.cost_model import CollectiveEstimate, CostModel
@@ -131,19 +130,20 @@ class Plan:
         }
 
 
+def fastest_fitting(plans: list[Plan]) -> Plan | None:
+    """The plan with the least step time among those that fit in GPU memory; None if none fits."""
+    fitting = [p for p in plans if p.memory_bytes <= p.topology.usable_memory_bytes]
+    return min(fitting, key=lambda p: p.step_s) if fitting else None
+
+
 # ------------------------------------------------------------------------------------------
 # costing one half
-
-
-@functools.lru_cache(maxsize=4096)
-def _placement(topology: Topology, size: int, stride: int):
-    return topology.placement(size, stride)
 
 
 def _collective(model, layout, name, dim, kind, nbytes, calls, overlapped, algorithm="flat"):
     size, stride = layout.group(dim)
     estimate = model.collective(
-        kind, nbytes, _placement(model.topology, size, stride), algorithm=algorithm
+        kind, nbytes, model.topology.placement(size, stride), algorithm=algorithm
     )
     return PlannedCollective(name, dim, calls, estimate, overlapped)
 
