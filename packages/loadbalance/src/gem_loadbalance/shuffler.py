@@ -139,6 +139,24 @@ class BaseBatchShuffler:
     ``sub_batches`` is re-iterable (a list, a ``DataLoader``, ...); each item is an iterable of
     opaque samples. Price samples with ``cost(sample) -> float`` or, faster, with
     ``sub_batch_cost(sub_batch) -> sequence of floats`` (exactly one of the two).
+
+    Args:
+        local_batch_size: samples per yielded batch (≥ 1).
+        seed: permutes the samples inside each batch (≥ 0); the choice of samples ignores it.
+        lookahead: local batches read ahead of the one being formed (≥ 0).
+        max_delay: batches a sample may leave after its natural batch (≥ 0).
+        headroom: the target's clip either side of neutral, a fraction (≥ 0).
+        gain: the share of the pool's excess cost the target moves by (≥ 0).
+        expected_cost: a shared expected cost of a sample (> 0), e.g.
+            ``expected_sample_cost`` over lengths every rank reads alike; None: the running
+            estimate alone.
+        prior_weight: how many samples ``expected_cost`` counts for in the running estimate.
+        drop_last: drop a short final batch.
+
+    Yields lists of samples. Raises ``ValueError`` (or ``TypeError`` for a wrong type) for a bad
+    option, both or neither of ``cost`` / ``sub_batch_cost``, a source that is not iterable, a
+    pricing function that returns the wrong number of costs or negative ones, a batch that
+    cannot be formed under ``max_delay``, and (on resume) a source that is not the saved one.
     """
 
     def __init__(
@@ -212,7 +230,11 @@ class BaseBatchShuffler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state`` on the next ``iter()`` (which re-reads the source up to it)."""
+        """Resume at ``state`` on the next ``iter()`` (which re-reads the source up to it).
+
+        ``ValueError`` for a state not saved by ``state_dict()`` (or of another version), saved
+        under another configuration, or corrupt.
+        """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"state must be a dict saved by state_dict() (version {_STATE_VERSION})"
@@ -227,6 +249,7 @@ class BaseBatchShuffler:
         self._resume_from = dict(state)
 
     def stats(self) -> ShufflerStats:
+        """Batches and samples emitted so far, the delay histogram and the last batch's target."""
         return ShufflerStats(
             batches=self._step,
             samples=self._emitted,
