@@ -196,7 +196,24 @@ def plan(
     config: PlannerConfig | None = None,
     explain: bool = True,
 ) -> Plan:
-    """The fastest plan that fits; keyword arguments pin a choice instead of searching it."""
+    """The fastest plan that fits; keyword arguments pin a choice instead of searching it.
+
+    Args:
+        topology: the cluster.
+        spec: the model.
+        dp_shard, dp_replicate, ep, sparse_replicas, sparse_inner: pin these layout fields.
+        config: ``PlannerConfig`` (default: NCCL, fully sharded 2D embeddings).
+        explain: check the plan against GEM's rules and say why it breaks any (``Plan.rules``).
+
+    Returns:
+        The ``Plan`` with the least step time among those that fit in usable GPU memory.
+
+    Raises:
+        ValueError: an unknown sparse mode or ``sparse_inner``; a pinned value that does not
+            divide the world, contradicts another or the model (``ep`` with no experts); or no
+            plan fits, in which case the message names the smallest change that would (a pinned
+            value, more GPUs, or GPUs with more memory).
+    """
     config = config or PlannerConfig()
     if config.sparse_mode not in SPARSE_MODES:
         raise ValueError(f"sparse_mode must be one of {SPARSE_MODES}, got {config.sparse_mode!r}")

@@ -58,6 +58,7 @@ class GroupPlacement:
 
     @property
     def size(self) -> int:
+        """Members of the group."""
         return self.sizes[0] * self.sizes[1] * self.sizes[2]
 
     @property
@@ -73,6 +74,7 @@ class GroupPlacement:
         return [(s, t) for s, t in zip(self.sizes, self.tiers, strict=True) if s > 1]
 
     def describe(self) -> str:
+        """``"8xnvlink*2xroce"``: the fan-out per tier crossed (``"local"`` for one rank)."""
         names = [f"{s}x{t.name}" for s, t in self.used()]
         return "*".join(names) if names else "local"
 
@@ -143,32 +145,39 @@ class Topology:
     # -- shape -------------------------------------------------------------------------------
     @property
     def gpus_per_zone(self) -> int:
+        """GPUs of one zone."""
         return self.gpus_per_host * self.hosts_per_zone
 
     @property
     def num_hosts(self) -> int:
+        """Hosts of the cluster."""
         return self.num_gpus // self.gpus_per_host
 
     @property
     def num_zones(self) -> int:
+        """Zones of the cluster (1 when it fits in one)."""
         return max(1, -(-self.num_gpus // self.gpus_per_zone))
 
     @property
     def cross_zone(self) -> Tier:
+        """The spine: RoCE bandwidth over the oversubscription, ``cross_zone_latency``."""
         return Tier(
             "cross_zone", self.roce.bandwidth / self.oversubscription, self.cross_zone_latency
         )
 
     @property
     def tiers(self) -> tuple[Tier, Tier, Tier]:
+        """(nvlink, roce, cross_zone), innermost first."""
         return (self.nvlink, self.roce, self.cross_zone)
 
     @property
     def usable_memory_bytes(self) -> float:
+        """GPU memory a plan may use: ``gpu_memory_bytes · memory_headroom``."""
         return self.gpu_memory_bytes * self.memory_headroom
 
     @property
     def achieved_flops(self) -> float:
+        """FLOP/s a step achieves: ``gpu_flops · achieved_flops_fraction``."""
         return self.gpu_flops * self.achieved_flops_fraction
 
     def placement(self, size: int, stride: int) -> GroupPlacement:
@@ -194,6 +203,7 @@ class Topology:
         return GroupPlacement((per_host, hosts_per_zone, zones), self.tiers, self.message_overhead)
 
     def describe(self) -> str:
+        """One line: the shape and the tiers' bandwidths."""
         return (
             f"{self.num_gpus} GPUs = {self.num_zones} zone(s) x {min(self.num_hosts, self.hosts_per_zone)}"
             f" host(s) x {self.gpus_per_host} GPUs; nvlink {self.nvlink.bandwidth / 1e9:.0f} GB/s, "

@@ -127,10 +127,12 @@ class CopyEngineWork:
         self._event = event
 
     def wait(self) -> bool:
+        """Make the current stream wait for the collective (no host wait); returns True."""
         torch.cuda.current_stream().wait_event(self._event)
         return True
 
     def is_completed(self) -> bool:
+        """Whether the collective's copies have finished on the device."""
         return self._event.query()
 
 

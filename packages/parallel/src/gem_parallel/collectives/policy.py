@@ -1,13 +1,13 @@
 """Which engine moves the bytes: the copy engines or the process group's own kernels.
 
-An NCCL collective runs as a kernel that occupies SMs (about 24 on an H200 for an all-gather at
-full bandwidth) for its whole duration. When it overlaps a GEMM, those SMs are taken from the
-GEMM, which then runs roughly 30% slower. A copy-engine collective moves the same bytes with
-``cudaMemcpyAsync`` between buffers mapped into every GPU of the host (PyTorch symmetric memory):
-the DMA engines do the work and the only kernels left are tiny barriers. It costs a little more
-latency per call (one copy launch per peer, two barriers), so it wins when the transfer is
-overlapped with compute and the message is large enough for the launches to amortise; an exposed
-(not overlapped) collective is usually as fast or faster through NCCL.
+An NCCL collective runs as a kernel that occupies SMs for its whole duration (the cost model
+counts 24 of an H200's 132 for an all-gather at full bandwidth). When it overlaps a GEMM, those
+SMs are taken from the GEMM, which slows down accordingly. A copy-engine collective moves the
+same bytes with ``cudaMemcpyAsync`` between buffers mapped into every GPU of the host (PyTorch
+symmetric memory): the DMA engines do the work and the only kernels left are tiny barriers. It
+costs more latency per call (one copy launch per peer, two barriers), so it wins when the
+transfer is overlapped with compute and the message is large enough for the launches to
+amortise; an exposed (not overlapped) collective is usually as fast or faster through NCCL.
 
 ``choose_engine`` encodes that rule with thresholds that ``benchmarks/parallel/
 bench_copy_engine_overlap.py`` measures (the crossover by message size). Every rank of a group must

@@ -78,6 +78,7 @@ class TableLayout:
     sharded_replicas: bool
 
     def shard_start(self, m: int, r: int) -> int:
+        """The first row of block ``m`` that replica ``r`` stores."""
         return m * self.block_rows + (r * self.shard_rows if self.sharded_replicas else 0)
 
 
@@ -306,6 +307,8 @@ class ShardedEmbeddingTables(nn.Module):
         return answered[inverse]
 
     def forward(self, features):
+        """As ``EmbeddingTables.forward``: the same inputs, the same output types; every rank of
+        both groups must call it (it runs collectives)."""
         parsed = split_features(
             features, expected=[f for t in self.tables for f in t.feature_names]
         )
