@@ -23,22 +23,10 @@ import time
 import numpy as np
 import torch
 
-# id: (batch, median, sigma, lo, hi, seed)
-JAGGED_LENGTHS = {
-    "J1": (64, 512, 1.0, 32, 16384, 0),
-    "J2": (16, 2048, 1.0, 256, 20000, 1),
-}
-
-
-def lognormal_lengths(batch, median, sigma, lo, hi, seed) -> np.ndarray:
-    """``L = clip(exp(Normal(log(median), sigma)), lo, hi)`` as int64, as the workloads define."""
-    rng = np.random.default_rng(seed)
-    return np.clip(np.exp(rng.normal(np.log(median), sigma, size=batch)), lo, hi).astype(np.int64)
-
-
-def workload_lengths(workload_id: str) -> np.ndarray:
-    key = {"J3": "J1", "J4": "J1", "J5": "J2"}.get(workload_id, workload_id)
-    return lognormal_lengths(*JAGGED_LENGTHS[key])
+# The workloads (docs/workloads) are defined once, in gem_loadbalance.workloads: ``WORKLOADS`` by
+# id, and ``workload_lengths(id)`` draws a workload's lengths with its own seed.
+from gem_loadbalance.workloads import WORKLOADS  # noqa: F401
+from gem_loadbalance.workloads import lengths as workload_lengths  # noqa: F401
 
 
 def offsets_of(lengths, device) -> torch.Tensor:

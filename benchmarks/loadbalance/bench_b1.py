@@ -34,7 +34,7 @@ from gem_loadbalance import (  # noqa: E402
     partition,
     sample_cost,
 )
-from gem_loadbalance.planner import batch_target, deadline_floor, plan_local_batch  # noqa: E402
+from gem_loadbalance.local_batch import batch_target, deadline_floor, plan_local_batch  # noqa: E402
 from gem_loadbalance.simulate import (  # noqa: E402
     SimulationConfig,
     _RankStreams,
@@ -42,10 +42,13 @@ from gem_loadbalance.simulate import (  # noqa: E402
     simulate,
 )
 
+B1 = common.WORKLOADS["B1"]
+
 
 def b1_costs(n, seed):
-    lengths = common.lognormal_lengths(n, 512, 1.0, 32, 16384, seed)
-    return sample_cost(lengths, a=1.0, b=1 / 1024)
+    """The costs of ``n`` samples of B1's lengths drawn with ``seed``."""
+    lengths = B1.lengths.draw(np.random.default_rng(seed), n)
+    return sample_cost(lengths, a=B1.a, b=B1.b)
 
 
 def partition_table(parts, items_per_part, draws):
@@ -113,11 +116,11 @@ def shuffler_next_ms(cfg, calls):
     return _median_ms(lambda i: next(iterator), calls)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds on a CPU")
     parser.add_argument("--steps", type=int, default=100)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         cfg = SimulationConfig(
             ranks=8, steps=5, local_batch=128, sub_batch=32, warm_steps=2, calibration_samples=4096

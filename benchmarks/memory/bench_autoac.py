@@ -32,6 +32,7 @@ SDPA (the jagged reference is slow on the CPU), to catch errors in seconds.
 """
 
 import argparse
+import dataclasses
 import gc
 import math
 import os
@@ -40,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -60,7 +62,7 @@ try:
 except (ImportError, AttributeError):
     jagged_flash_attention = None
     JAGGED = None
-ATTENTION = JAGGED or "padded SDPA"
+PADDED = "padded SDPA"
 
 GIB = 2.0**30
 
@@ -123,7 +125,10 @@ def loss_fn(out):
 
 
 def make_batch(batch: int, *, median: int, dim: int, device, dtype, padded: bool, seed=0):
-    lengths = common.lognormal_lengths(batch, median, 1.0, 32 * median // 512, 16384, seed)
+    # J1's shape with the median (and the shortest history with it) scaled to ``median``.
+    j1 = common.WORKLOADS["J1"].lengths
+    shape = dataclasses.replace(j1, median=median, lo=j1.lo * median // j1.median)
+    lengths = shape.draw(np.random.default_rng(seed), batch)
     offsets = common.offsets_of(lengths, device)
     total, max_len = int(lengths.sum()), int(lengths.max())
     pad_index = None
@@ -243,7 +248,7 @@ def largest_batch(model, args, device, dtype, deadline):
     set_all(model, "keep", None)
     factors = (1, 2, 3) if args.smoke else (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6)
     ladder = [int(args.batch * f) for f in factors]
-    padded = ATTENTION == "padded SDPA"
+    padded = args.attention == PADDED
     on_gpu = device.type == "cuda"
     capacity = torch.cuda.mem_get_info()[1] if on_gpu else args.cpu_capacity_gib * GIB
     none_best = None
@@ -295,7 +300,7 @@ def largest_batch(model, args, device, dtype, deadline):
     return none_best, auto_best, ""
 
 
-def plot(points, path: Path) -> str:
+def plot(points, path: Path, *, attention: str) -> str:
     plt = common.pyplot()
     if plt is None:
         return common.NO_MATPLOTLIB
@@ -306,7 +311,7 @@ def plot(points, path: Path) -> str:
             ax.plot(*zip(*pts, strict=True), marker="o", label=name)
     ax.set_xlabel("peak memory (GiB)")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(f"AutoAC vs activation_memory_budget\nattention: {ATTENTION}", fontsize=10)
+    ax.set_title(f"AutoAC vs activation_memory_budget\nattention: {attention}", fontsize=10)
     ax.legend()
     return common.save_figure(fig, path)
 
@@ -338,9 +343,9 @@ def main():
     on_gpu = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    global ATTENTION
-    if (args.attention or ("padded" if args.smoke else "auto")) == "padded":
-        ATTENTION = "padded SDPA"
+    # From here on args.attention names the attention that runs.
+    chosen = args.attention or ("padded" if args.smoke else "auto")
+    args.attention = PADDED if chosen == "padded" else (JAGGED or PADDED)
     note = ""
     if args.smoke:
         args.batch = args.batch or 4
@@ -350,8 +355,8 @@ def main():
         compile_fn = None  # eager: the compiled paths are covered by tests/memory on the CPU
     else:
         if args.batch is None:
-            args.batch = 1024 if ATTENTION != "padded SDPA" else 128
-            if ATTENTION == "padded SDPA":
+            args.batch = 1024 if args.attention != PADDED else 128
+            if args.attention == PADDED:
                 note = " (scaled down from 1024: padded SDPA needs ~13x the tokens)"
         compile_fn = torch.compile
     for name in ("recompile_limit", "cache_size_limit"):
@@ -366,10 +371,10 @@ def main():
         dim=args.dim,
         device=device,
         dtype=dtype,
-        padded=ATTENTION == "padded SDPA",
+        padded=args.attention == PADDED,
     )
     print(
-        f"{common.environment()}; attention: {ATTENTION}; batch {args.batch}{note}, "
+        f"{common.environment()}; attention: {args.attention}; batch {args.batch}{note}, "
         f"{tokens} tokens, {args.blocks} blocks, dim {args.dim}"
     )
 
@@ -377,7 +382,8 @@ def main():
     peak_time_sweep(model, inputs, args, compile_fn, rows, points)
     none_ms = rows[0][3]
     table = [
-        [name, ATTENTION, args.batch, peak, pred, ms, ms / none_ms] for name, peak, pred, ms in rows
+        [name, args.attention, args.batch, peak, pred, ms, ms / none_ms]
+        for name, peak, pred, ms in rows
     ]
     common.print_table(
         f"Peak memory vs step time, {args.blocks} blocks, batch {args.batch} J1{note}",
@@ -391,7 +397,7 @@ def main():
         if r[0].startswith("AutoAC @ knob") and "floor" not in r[0]
     ]
     out_dir = Path(os.environ.get("OUT", "."))
-    print(plot(points, out_dir / "autoac_peak_vs_time.png"))
+    print(plot(points, out_dir / "autoac_peak_vs_time.png", attention=args.attention))
 
     record = {
         "none_ms": none_ms,

@@ -152,9 +152,10 @@ def single_gpu() -> None:
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device
     )
     rows = []
+    engines = collectives.CopyEngines()
     for nbytes in SIZES_GPU:
         x = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
-        ce = _fixed_ms(lambda x=x: collectives.all_gather(x, engine="copy_engine"))
+        ce = _fixed_ms(lambda x=x: collectives.all_gather(x, engine="copy_engine", engines=engines))
         sm = _fixed_ms(lambda x=x: collectives.all_gather(x, engine="sm"))
         rows.append([f"{nbytes >> 10} KiB", ce * 1e3, sm * 1e3, ce / sm])
     common.print_table(
@@ -180,10 +181,12 @@ def _multi_gpu_worker(rank: int, world: int, port: int) -> None:
     gemm = _gemm(8192, device)
     gemm_ms = common.bench_ms(gemm)
     rows, crossover, at_largest = [], None, {}
+    engines = collectives.CopyEngines()
     for nbytes in SIZES_GPU:
         x = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
         fns = {
-            e: (lambda x=x, e=e: collectives.all_gather(x, engine=e)) for e in ("sm", "copy_engine")
+            e: (lambda x=x, e=e: collectives.all_gather(x, engine=e, engines=engines))
+            for e in ("sm", "copy_engine")
         }
         alone = {e: _fixed_ms(fn) for e, fn in fns.items()}
         busbw = {e: nbytes * (world - 1) / (alone[e] * 1e-3) / 1e9 for e in alone}
@@ -244,9 +247,10 @@ def smoke() -> None:
     gemm = _gemm(64, torch.device("cpu"))
     gemm_ms = common.bench_ms(gemm)
     rows = []
+    engines = collectives.CopyEngines()
     for nbytes in SIZES_SMOKE:
         x = torch.randn(nbytes // 4)
-        ms = common.bench_ms(lambda x=x: collectives.all_gather(x, engine="auto"))
+        ms = common.bench_ms(lambda x=x: collectives.all_gather(x, engine="auto", engines=engines))
         rows.append([f"{nbytes} B", gemm_ms, ms * 1e3, float("nan")])
     common.print_table(
         "smoke (CPU, gloo, one rank): Python paths only",

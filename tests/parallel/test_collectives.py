@@ -26,19 +26,15 @@ def one_rank_world():
         dist.destroy_process_group()
 
 
-def test_policy_thresholds(monkeypatch):
-    monkeypatch.setattr(policy, "copy_engine_supported", lambda device, group: (True, ""))
+def test_policy_thresholds():
+    """The choice ``engine="auto"`` makes where the copy engines can run."""
     pol = collectives.EnginePolicy(copy_engine_min_bytes_overlapped=1024)
-    pick = lambda engine, nbytes, overlap, p=pol: policy.choose_engine(
-        engine, nbytes=nbytes, device=torch.device("cuda"), group=None, overlap=overlap, policy=p
-    )
-    assert pick("auto", 1024, True) == "copy_engine"
-    assert pick("auto", 1023, True) == "sm"
-    assert pick("auto", 1 << 40, False) == "sm"  # exposed collectives stay on the process group
+    assert pol.engine_for(1024, overlap=True) == "copy_engine"
+    assert pol.engine_for(1023, overlap=True) == "sm"
+    assert pol.engine_for(1 << 40, overlap=False) == "sm"  # exposed ones stay on the group
     exposed = collectives.EnginePolicy(copy_engine_min_bytes_exposed=4096)
-    assert pick("auto", 4096, False, exposed) == "copy_engine"
-    assert pick("sm", 1 << 40, True) == "sm"
-    assert pick("copy_engine", 1, False) == "copy_engine"
+    assert exposed.engine_for(4096, overlap=False) == "copy_engine"
+    assert exposed.engine_for(4095, overlap=False) == "sm"
 
 
 def test_policy_refuses_copy_engine_where_it_cannot_run(one_rank_world):
@@ -46,9 +42,15 @@ def test_policy_refuses_copy_engine_where_it_cannot_run(one_rank_world):
     ok, why = collectives.copy_engine_supported(cpu, dist.group.WORLD)
     assert not ok and "CUDA" in why
     pick = lambda engine: policy.choose_engine(
-        engine, nbytes=1 << 30, device=cpu, group=dist.group.WORLD, overlap=True
+        engine,
+        nbytes=1 << 30,
+        device=cpu,
+        group=dist.group.WORLD,
+        overlap=True,
+        engines=collectives.CopyEngines(),
     )
     assert pick("auto") == "sm"
+    assert pick("sm") == "sm"
     with pytest.raises(ValueError, match="engine='copy_engine' cannot run here.*CUDA"):
         pick("copy_engine")
     with pytest.raises(ValueError, match="engine must be one of"):
@@ -91,22 +93,29 @@ def test_one_rank_collectives_return_their_input(one_rank_world):
 def test_copy_engine_on_one_gpu_matches_process_group(one_rank_world, dtype):
     """Symmetric memory on one device: allocation, rendezvous, barriers and copies all run."""
     group = dist.group.WORLD
-    ok, why = collectives.copy_engine_supported(torch.device("cuda"), group)
+    cuda = torch.device("cuda")
+    ok, why = collectives.copy_engine_supported(cuda, group)
+    assert not ok and "engines=" in why  # nowhere to keep the workspace
+    engines = collectives.CopyEngines()
+    ok, why = collectives.copy_engine_supported(cuda, group, engines=engines)
     assert ok, why
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 33, device="cuda", generator=gen).to(dtype)
+    with pytest.raises(ValueError, match="engines="):
+        collectives.all_gather(x, engine="copy_engine")
     for engine in ("copy_engine", "sm"):
-        assert torch.equal(collectives.all_gather(x, engine=engine), x)
-        out, work = collectives.all_gather(x, engine=engine, async_op=True)
+        kw = {"engine": engine, "engines": engines}
+        assert torch.equal(collectives.all_gather(x, **kw), x)
+        out, work = collectives.all_gather(x, async_op=True, **kw)
         work.wait()
         assert torch.equal(out, x)
-        assert torch.equal(collectives.reduce_scatter(x, engine=engine), x)
-        assert torch.equal(collectives.reduce_scatter(x, engine=engine, op="avg"), x)
-        assert torch.equal(collectives.all_to_all(x, engine=engine), x)
-        assert torch.equal(collectives.all_to_all(x, input_split_sizes=[64], engine=engine), x)
+        assert torch.equal(collectives.reduce_scatter(x, **kw), x)
+        assert torch.equal(collectives.reduce_scatter(x, op="avg", **kw), x)
+        assert torch.equal(collectives.all_to_all(x, **kw), x)
+        assert torch.equal(collectives.all_to_all(x, input_split_sizes=[64], **kw), x)
     # a second, larger call grows the workspace (a new rendezvous) and still agrees
     big = torch.randn(1 << 20, device="cuda", generator=gen).to(dtype)
-    assert torch.equal(collectives.all_gather(big, engine="copy_engine"), big)
+    assert torch.equal(collectives.all_gather(big, engine="copy_engine", engines=engines), big)
     assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
 
 

@@ -73,19 +73,20 @@ def _data(seed: int, shape, dtype, device):
     return torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=dtype).to(device)
 
 
-def _check_collectives(group, engines, device):
+def _check_collectives(group, engines, device, copy_engines):
     import torch.distributed as dist
     from gem_parallel import collectives
 
     world, rank = group.size(), group.rank()
+    ce = {"engines": copy_engines}
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for engine in engines:
             x = _data(rank, (3, 5), dtype, device)
             expected = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(expected, x, group=group)
-            got = collectives.all_gather(x, group=group, engine=engine)
+            got = collectives.all_gather(x, group=group, engine=engine, **ce)
             assert torch.equal(got, torch.cat(expected)), f"all_gather {engine} {dtype}"
-            got, work = collectives.all_gather(x, group=group, engine=engine, async_op=True)
+            got, work = collectives.all_gather(x, group=group, engine=engine, async_op=True, **ce)
             work.wait()
             assert torch.equal(got, torch.cat(expected)), f"async all_gather {engine} {dtype}"
 
@@ -93,11 +94,11 @@ def _check_collectives(group, engines, device):
             summed = y.clone()
             dist.all_reduce(summed, group=group)
             mine = summed.chunk(world)[rank]
-            got = collectives.reduce_scatter(y, group=group, engine=engine)
+            got = collectives.reduce_scatter(y, group=group, engine=engine, **ce)
             assert torch.equal(got, mine), f"reduce_scatter {engine} {dtype}"
             if dtype.is_floating_point:
                 got, work = collectives.reduce_scatter(
-                    y, group=group, engine=engine, op="avg", async_op=True
+                    y, group=group, engine=engine, op="avg", async_op=True, **ce
                 )
                 work.wait()
                 _assert_close(got, mine / world, msg=f"avg {engine} {dtype}")
@@ -125,12 +126,13 @@ def _check_collectives(group, engines, device):
                     input_split_sizes=sends,
                     output_split_sizes=out_splits,
                     engine=engine,
+                    **ce,
                 )
                 assert torch.equal(got, torch.cat(expected)), f"all_to_all {engine} {dtype}"
             w = _data(30 + rank, (2 * world, 2), dtype, device)
             expected = [torch.empty_like(c) for c in w.chunk(world)]
             dist.all_to_all(expected, list(w.chunk(world)), group=group)
-            got = collectives.all_to_all(w, group=group, engine=engine)
+            got = collectives.all_to_all(w, group=group, engine=engine, **ce)
             assert torch.equal(got, torch.cat(expected)), f"equal all_to_all {engine} {dtype}"
 
 
@@ -185,15 +187,16 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     engines = ("auto", "sm", "copy_engine") if device_type == "cuda" else ("auto", "sm")
-    _check_collectives(dist.group.WORLD, engines, device)
+    copy_engines = collectives.CopyEngines()  # one per process, shared by every group
+    _check_collectives(dist.group.WORLD, engines, device, copy_engines)
     if world % 2 == 0 and world > 2:
         mesh = init_device_mesh(device_type, (2, world // 2), mesh_dim_names=("a", "b"))
-        _check_collectives(mesh.get_group(0), engines, device)
-        _check_collectives(mesh.get_group(1), engines, device)
+        _check_collectives(mesh.get_group(0), engines, device, copy_engines)
+        _check_collectives(mesh.get_group(1), engines, device, copy_engines)
     if device_type == "cpu":
         x = torch.ones(4)
         try:
-            collectives.all_gather(x, engine="copy_engine")
+            collectives.all_gather(x, engine="copy_engine", engines=copy_engines)
         except ValueError as exc:
             assert "copy_engine" in str(exc) and "CUDA" in str(exc), str(exc)
         else:

@@ -127,7 +127,7 @@ def test_bad_settings_are_named():
         EmbeddingTables(TABLES).fuse_optimizer(torch.optim.Adagrad)
 
 
-def test_sharding_tables_with_a_fused_optimizer_is_refused(monkeypatch):
+def test_sharding_tables_with_a_fused_optimizer_is_refused():
     import torch.distributed as dist
 
     created = not dist.is_initialized()

@@ -5,8 +5,8 @@ import json
 import time
 
 import pytest
+from gem_parallel.cli import main as plan_cli
 from gem_parallel.model_spec import ModelSpec
-from gem_parallel.plan import main as plan_cli
 from gem_parallel.planner import PlannerConfig, plan
 from gem_parallel.topology import Topology
 
@@ -157,10 +157,11 @@ def test_cli_table_json_and_errors(capsys):
 
 def test_package_exports_load_lazily():
     import gem_parallel
-    import gem_parallel.plan as cli  # the CLI module keeps its name; the function is make_plan
     from gem_parallel import planner
 
-    assert gem_parallel.make_plan is planner.plan and gem_parallel.plan is cli
+    assert gem_parallel.make_plan is planner.plan
+    with pytest.raises(AttributeError):
+        gem_parallel.plan  # noqa: B018 ("plan" names the parallel plan only: make_plan, Plan)
     assert {
         "make_plan",
         "build_meshes",

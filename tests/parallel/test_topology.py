@@ -18,6 +18,20 @@ def test_placement_of_contiguous_and_strided_groups():
     assert topo.placement(8, 128).outermost.name == "cross_zone"
 
 
+def test_placement_counts_the_hosts_and_zones_a_group_touches():
+    """The closed form against listing the members, on every group of small clusters."""
+    for gpus_per_host, hosts_per_zone, zones in [(4, 3, 2), (8, 2, 3), (2, 16, 1), (1, 4, 4)]:
+        world = gpus_per_host * hosts_per_zone * zones
+        topo = Topology(world, gpus_per_host=gpus_per_host, hosts_per_zone=hosts_per_zone)
+        for size in range(1, world + 1):
+            for stride in range(1, (world - 1) // max(size - 1, 1) + 1):
+                ranks = [i * stride for i in range(size)]
+                hosts = len({r // gpus_per_host for r in ranks})
+                zone_count = len({r // topo.gpus_per_zone for r in ranks})
+                expected = (-(-size // hosts), -(-hosts // zone_count), zone_count)
+                assert topo.placement(size, stride).sizes == expected, (world, size, stride)
+
+
 def test_cross_zone_tier_is_the_oversubscribed_nic():
     topo = Topology(
         16, gpus_per_host=4, hosts_per_zone=2, roce=Tier("roce", 40e9, 5e-6), oversubscription=4
@@ -51,10 +65,8 @@ def test_bad_tier_is_refused():
         Tier("nvlink", 0.0, 1e-6)
 
 
-def test_detect_reads_torchrun_environment(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "32")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setenv("GEM_HOSTS_PER_ZONE", "2")
-    topo = Topology.detect(gpu_memory_bytes=80e9)
+def test_detect_reads_torchrun_environment():
+    environ = {"WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8", "GEM_HOSTS_PER_ZONE": "2"}
+    topo = Topology.detect(environ=environ, gpu_memory_bytes=80e9)
     assert (topo.num_gpus, topo.gpus_per_host, topo.hosts_per_zone, topo.num_zones) == (32, 8, 2, 2)
     assert topo.gpu_memory_bytes == 80e9

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from gem_loadbalance.workloads import WORKLOADS
+
 
 class ConfigError(ValueError):
     """A configuration value is malformed or inconsistent; the message names the field."""
@@ -124,16 +126,20 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
+# The default history lengths are workload J1's (docs/workloads).
+_J1 = WORKLOADS["J1"].lengths
+
+
 @dataclass
 class DataConfig:
     source: str = opt("synthetic", "synthetic (planted teacher) or parquet")
     path: str = opt("", "Parquet file or folder (source=parquet)")
     batch_size: int = opt(64, "samples per step on each rank")
     sub_batch_size: int = opt(16, "samples per sub-batch, the unit the shuffler moves")
-    median_len: int = opt(512, "median history length (workload J1: 512)")
-    sigma: float = opt(1.0, "log-normal sigma of history lengths (J1: 1.0)")
-    min_len: int = opt(32, "shortest history (J1: 32)")
-    max_len: int = opt(16384, "longest history (J1: 16384); never truncated below this")
+    median_len: int = opt(_J1.median, f"median history length (workload J1: {_J1.median})")
+    sigma: float = opt(_J1.sigma, f"log-normal sigma of history lengths (J1: {_J1.sigma})")
+    min_len: int = opt(_J1.lo, f"shortest history (J1: {_J1.lo})")
+    max_len: int = opt(_J1.hi, f"longest history (J1: {_J1.hi}); never truncated below this")
     teacher_strength: float = opt(5.0, "scale of the planted teacher's logits (signal strength)")
     seed: int = opt(0, "seed of the data stream (the teacher has its own fixed seed)")
     shuffle: bool = opt(True, "balance batches with gem_loadbalance's Base Batch Shuffling")

@@ -17,12 +17,12 @@ import time
 
 import numpy as np
 import torch
+from gem_loadbalance.workloads import lognormal_lengths
 from torch import nn
 
 from gem_train.components import make_source, resolve_device
 from gem_train.config import TrainConfig
 from gem_train.data.batch import Batch
-from gem_train.data.synthetic import lognormal_lengths
 from gem_train.metrics import batch_flops, layer_flops, peak_flops
 from gem_train.model import GemModel
 

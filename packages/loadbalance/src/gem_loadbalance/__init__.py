@@ -6,6 +6,9 @@
 - ``BaseBatchShuffler``: balanced local batches on every rank with no communication.
 - ``SubBatches`` / ``ShufflingIterableDataset`` / ``kjt_*``: PyTorch data loading and torchrec
   ``KeyedJaggedTensor`` batches (duck-typed; torchrec is never imported).
+- ``plan_local_batch`` / ``batch_target`` (``gem_loadbalance.local_batch``): composing one local
+  batch whose cost lands on a target, the shuffler's inner step.
+- ``gem_loadbalance.workloads``: the project's benchmark workloads (J1–J7, B1) and their lengths.
 - ``python -m gem_loadbalance.simulate``: measure the balance on workload B1.
 """
 
@@ -19,8 +22,8 @@ from .integrations import (
     kjt_rows,
     kjt_sub_batch_cost,
 )
+from .local_batch import batch_target, plan_local_batch
 from .partition import METHODS, max_over_mean, part_loads, partition
-from .planner import batch_target, plan_local_batch
 from .shuffler import BaseBatchShuffler, ShufflerConfig, ShufflerStats
 
 __all__ = [

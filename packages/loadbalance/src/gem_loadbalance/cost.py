@@ -49,8 +49,18 @@ def _check_coefficient(name: str, value) -> float:
 def sample_cost(lengths, *, a: float, b: float):
     """``a·L + b·L²`` per sample, as float64.
 
-    ``lengths`` may be an int, a sequence, a numpy array or an integer tensor; a tensor gives a
-    float64 tensor on its device, anything else a float (for a scalar) or a numpy array.
+    Args:
+        lengths: non-negative integer lengths of any shape: an int, a sequence, a numpy array or
+            an integer tensor (any device).
+        a, b: the cost per token and per token squared (finite, ≥ 0).
+
+    Returns:
+        A float64 tensor of ``lengths``' shape on its device for a tensor; a float for a scalar;
+        a float64 numpy array otherwise.
+
+    Raises:
+        TypeError: a floating-point or complex tensor (lengths are counts).
+        ValueError: a negative length, or ``a`` / ``b`` negative or not finite.
     """
     a = _check_coefficient("a", a)
     b = _check_coefficient("b", b)
@@ -67,7 +77,11 @@ def sample_cost(lengths, *, a: float, b: float):
 
 
 def expected_sample_cost(lengths, *, a: float, b: float) -> float:
-    """Mean of ``sample_cost`` over a sample of lengths: the anchor every rank can share."""
+    """Mean of ``sample_cost`` over a sample of lengths: the anchor every rank can share.
+
+    ``lengths`` as for ``sample_cost`` (at least one); returns a float. ``ValueError`` for an
+    empty sample and as ``sample_cost`` raises.
+    """
     costs = sample_cost(lengths, a=a, b=b)
     if isinstance(costs, torch.Tensor):
         costs = costs.cpu().numpy()
@@ -87,6 +101,7 @@ class CostModel:
     r2: float
 
     def sample_cost(self, lengths):
+        """``sample_cost(lengths, a=self.a, b=self.b)``."""
         return sample_cost(lengths, a=self.a, b=self.b)
 
 
@@ -95,7 +110,12 @@ def fit_cost_model(step_lengths, step_times, *, fit_overhead: bool = True) -> Co
 
     ``step_lengths`` holds one sequence of lengths per measured step (the samples that step
     trained on), ``step_times`` the matching times (any unit; the coefficients come out in it).
-    All coefficients are constrained to be non-negative.
+    All coefficients are constrained to be non-negative; with ``fit_overhead=False`` the overhead
+    is 0. Returns a ``CostModel`` with the fit's ``r2``.
+
+    Raises:
+        ValueError: ``step_times`` not 1-D with one entry per step, negative or non-finite times,
+            fewer steps than free coefficients (3, or 2 without the overhead), or bad lengths.
     """
     step_lengths = list(step_lengths)
     times = np.asarray(step_times, dtype=np.float64)

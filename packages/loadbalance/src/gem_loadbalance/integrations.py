@@ -59,7 +59,13 @@ class SubBatches:
 
 
 class ShufflingIterableDataset(torch.utils.data.IterableDataset):
-    """Balanced local batches from a (worker-sharded) ``IterableDataset`` of samples."""
+    """Balanced local batches from a (worker-sharded) ``IterableDataset`` of samples.
+
+    Each ``DataLoader`` worker cuts its shard of ``dataset`` into sub-batches of
+    ``sub_batch_size`` and runs its own ``BaseBatchShuffler`` (``seed + worker``); the other
+    arguments are the shuffler's. Use it with ``batch_size=None``: every item is a local batch.
+    Bad options raise at construction, as ``BaseBatchShuffler`` does.
+    """
 
     def __init__(
         self,

@@ -107,8 +107,19 @@ def _karmarkar_karp(costs: np.ndarray, k: int) -> list[list[int]]:
 def partition(costs, k: int, *, method: str = "lpt_capped") -> list[list[int]]:
     """Split items priced by ``costs`` into ``k`` parts; returns ``k`` lists of item indices.
 
-    ``lpt_capped`` and ``kk`` give every part ``n // k`` or ``n // k + 1`` items; ``greedy``
-    ignores counts. Parts may be empty when ``k`` exceeds the number of items.
+    Args:
+        costs: float ``[n]`` (a sequence or 1-D array), finite and ≥ 0.
+        k: the number of parts (≥ 1).
+        method: ``"lpt_capped"`` (largest first onto the lightest part that still has room;
+            every part ``n // k`` or ``n // k + 1`` items), ``"kk"`` (balanced Karmarkar–Karp,
+            the same counts) or ``"greedy"`` (largest first onto the lightest part, any counts).
+
+    Returns:
+        ``k`` sorted lists of indices into ``costs``; together they hold every index once.
+        Parts may be empty when ``k`` exceeds the number of items.
+
+    Raises:
+        ValueError: ``k`` not a positive int, an unknown method, or bad costs.
     """
     array = _costs_array(costs)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -125,13 +136,16 @@ def partition(costs, k: int, *, method: str = "lpt_capped") -> list[list[int]]:
 
 
 def part_loads(costs, parts: list[list[int]]) -> np.ndarray:
-    """Total cost of each part."""
+    """Total cost of each part: float64 ``[len(parts)]`` (0 for an empty part)."""
     array = _costs_array(costs)
     return np.array([array[p].sum() if p else 0.0 for p in parts], dtype=np.float64)
 
 
 def max_over_mean(loads) -> float:
-    """The imbalance of one step: heaviest rank over the mean rank (1.0 is perfect balance)."""
+    """The imbalance of one step: heaviest rank over the mean rank (1.0 is perfect balance).
+
+    ``loads``: float ``[ranks]``; all-zero loads count as balanced (1.0).
+    """
     loads = np.asarray(loads, dtype=np.float64)
     mean = loads.mean()
     return float(loads.max() / mean) if mean > 0 else 1.0

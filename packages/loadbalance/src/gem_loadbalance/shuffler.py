@@ -10,24 +10,24 @@ How a step is formed
     The shuffler keeps a pool: the samples of the batch being formed, ``lookahead`` further local
     batches read ahead, and samples held back from earlier batches. Sample ``p`` of the stream
     (counting from 0) belongs to *natural* batch ``p // local_batch_size``, the batch it would be
-    in without shuffling. The planner (``planner.py``) picks ``local_batch_size`` pooled samples
+    in without shuffling. ``local_batch.plan_local_batch`` picks ``local_batch_size`` pooled samples
     whose total cost lands on the target; a sample may leave up to ``lookahead`` batches early and
     at most ``max_delay`` batches late (it is forced in at its limit). Every sample comes out
     exactly once; only the final batch may be shorter, and it is dropped only with
     ``drop_last=True``.
 The target
     ``count · mean_cost``, moved toward the pool's excess but clipped to ``headroom`` either side
-    (``planner.batch_target``), and raised when heavy samples pile up near their delay limit
-    (``planner.deadline_floor``). ``mean_cost`` is a running estimate over every sample this rank
+    (``local_batch.batch_target``), and raised when heavy samples pile up near their delay limit
+    (``local_batch.deadline_floor``). ``mean_cost`` is a running estimate over every sample this rank
     has read. All ranks estimate the same value, but with heavy tails the estimates of different
     ranks disagree by several percent for the first hundreds of steps (relative error about
     cost CV / sqrt(samples read)), and that disagreement is imbalance; give ``expected_cost``
     (``expected_sample_cost`` over a sample of lengths every rank reads alike, e.g. dataset
     metadata) to make them agree from the first step, weighted as ``prior_weight`` samples.
-    On workload B1 (64 ranks) this captures about 95% of the improvement a global repartition
-    would give; ``python -m gem_loadbalance.simulate`` measures it.
+    ``python -m gem_loadbalance.simulate`` measures how much of the improvement a global
+    repartition would give this captures (workload B1).
 Determinism and resume
-    The plan depends only on the stream and the configuration; ``seed`` only permutes the samples
+    The batches depend only on the stream and the configuration; ``seed`` only permutes the samples
     inside each emitted batch (per-step generator, so no generator state needs saving).
     ``state_dict()`` records the step, how far the source was read, which stream positions sit in
     the pool and their costs, the estimator's sums and the delay histogram; a shuffler rebuilt
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .planner import batch_target, deadline_floor, plan_local_batch
+from .local_batch import batch_target, deadline_floor, plan_local_batch
 
 __all__ = ["ShufflerConfig", "ShufflerStats", "BaseBatchShuffler"]
 
@@ -139,6 +139,24 @@ class BaseBatchShuffler:
     ``sub_batches`` is re-iterable (a list, a ``DataLoader``, ...); each item is an iterable of
     opaque samples. Price samples with ``cost(sample) -> float`` or, faster, with
     ``sub_batch_cost(sub_batch) -> sequence of floats`` (exactly one of the two).
+
+    Args:
+        local_batch_size: samples per yielded batch (≥ 1).
+        seed: permutes the samples inside each batch (≥ 0); the choice of samples ignores it.
+        lookahead: local batches read ahead of the one being formed (≥ 0).
+        max_delay: batches a sample may leave after its natural batch (≥ 0).
+        headroom: the target's clip either side of neutral, a fraction (≥ 0).
+        gain: the share of the pool's excess cost the target moves by (≥ 0).
+        expected_cost: a shared expected cost of a sample (> 0), e.g.
+            ``expected_sample_cost`` over lengths every rank reads alike; None: the running
+            estimate alone.
+        prior_weight: how many samples ``expected_cost`` counts for in the running estimate.
+        drop_last: drop a short final batch.
+
+    Yields lists of samples. Raises ``ValueError`` (or ``TypeError`` for a wrong type) for a bad
+    option, both or neither of ``cost`` / ``sub_batch_cost``, a source that is not iterable, a
+    pricing function that returns the wrong number of costs or negative ones, a batch that
+    cannot be formed under ``max_delay``, and (on resume) a source that is not the saved one.
     """
 
     def __init__(
@@ -212,7 +230,11 @@ class BaseBatchShuffler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state`` on the next ``iter()`` (which re-reads the source up to it)."""
+        """Resume at ``state`` on the next ``iter()`` (which re-reads the source up to it).
+
+        ``ValueError`` for a state not saved by ``state_dict()`` (or of another version), saved
+        under another configuration, or corrupt.
+        """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"state must be a dict saved by state_dict() (version {_STATE_VERSION})"
@@ -227,6 +249,7 @@ class BaseBatchShuffler:
         self._resume_from = dict(state)
 
     def stats(self) -> ShufflerStats:
+        """Batches and samples emitted so far, the delay histogram and the last batch's target."""
         return ShufflerStats(
             batches=self._step,
             samples=self._emitted,

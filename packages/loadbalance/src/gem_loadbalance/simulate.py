@@ -18,9 +18,12 @@ over the mean rank's cost for
 
 It prints the mean and p99 of the per-step ratio, the share of the possible improvement captured,
 ``(none - shuffler) / (none - optimum)`` on the means, the shuffler's planning time per local
-batch and how far samples moved. ``--plot FILE.png`` draws the per-step ratios. Each rank's
-stream holds ``lookahead`` batches beyond the measured steps, so every measured step has its full
-look-ahead (as in the middle of a long run).
+batch and how far samples moved. ``--plot FILE.png`` draws the per-step ratios with matplotlib
+(the optional ``plot`` extra, ``gem-loadbalance[plot]``); without it the command prints one line
+saying so instead. Each rank's stream holds ``lookahead`` batches beyond the measured steps, so
+every measured step has its full look-ahead (as in the middle of a long run).
+
+The defaults are workload B1 as ``gem_loadbalance.workloads`` defines it.
 """
 
 import argparse
@@ -33,26 +36,48 @@ import numpy as np
 from .cost import expected_sample_cost, sample_cost
 from .partition import max_over_mean, part_loads, partition
 from .shuffler import BaseBatchShuffler
+from .workloads import WORKLOADS, lognormal_lengths
 
-__all__ = ["SimulationConfig", "SimulationResult", "simulate", "main"]
+__all__ = [
+    "NO_MATPLOTLIB",
+    "SimulationConfig",
+    "SimulationResult",
+    "main",
+    "plot_ratios",
+    "simulate",
+]
 
 _CALIBRATION_SEED = 2**31 - 1
 _HISTORY_SEED = 2**31 - 2
+_B1 = WORKLOADS["B1"]
+NO_MATPLOTLIB = "matplotlib is not installed (pip install 'gem-loadbalance[plot]'): no plot"
 
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    ranks: int = 64
+    """One simulation: the workload (B1 by default) and the shuffler's settings.
+
+    ``ranks`` ranks run ``steps`` measured steps of ``local_batch`` samples each, read as
+    sub-batches of ``sub_batch``; lengths are log-normal (``median``, ``sigma``) clipped to
+    ``[min_len, max_len]``; a sample costs ``a·L + b·L²``; rank ``r`` draws step ``s`` from
+    ``default_rng([seed, s, r])``. ``lookahead``, ``max_delay``, ``headroom`` and ``gain`` are the
+    shuffler's (``BaseBatchShuffler``); ``warm_steps`` adds the running estimate after that many
+    earlier steps (0: skip); ``calibration_samples`` is the size of the shared calibration sample;
+    ``optimum_methods`` the partition methods of the global optimum. ``ValueError`` on a count
+    below 1 (``warm_steps`` below 0), ``min_len > max_len`` or no optimum method.
+    """
+
+    ranks: int = _B1.ranks
     steps: int = 100
-    local_batch: int = 1024
-    sub_batch: int = 128
-    median: float = 512.0
-    sigma: float = 1.0
-    min_len: int = 32
-    max_len: int = 16384
-    a: float = 1.0
-    b: float = 1.0 / 1024
-    seed: int = 0
+    local_batch: int = _B1.local_batch
+    sub_batch: int = _B1.sub_batch
+    median: float = _B1.lengths.median
+    sigma: float = _B1.lengths.sigma
+    min_len: int = _B1.lengths.lo
+    max_len: int = _B1.lengths.hi
+    a: float = _B1.a
+    b: float = _B1.b
+    seed: int = _B1.lengths.seed
     lookahead: int = 2
     max_delay: int = 2
     headroom: float = 0.01
@@ -92,12 +117,18 @@ class SimulationResult:
 
 
 def _lengths(cfg: SimulationConfig, n: int, seed) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    lengths = np.exp(rng.normal(np.log(cfg.median), cfg.sigma, size=n))
-    return np.clip(lengths, cfg.min_len, cfg.max_len).astype(np.int64)
+    return lognormal_lengths(
+        np.random.default_rng(seed),
+        n,
+        median=cfg.median,
+        sigma=cfg.sigma,
+        lo=cfg.min_len,
+        hi=cfg.max_len,
+    )
 
 
 def natural_batch_lengths(cfg: SimulationConfig, rank: int, step: int) -> np.ndarray:
+    """The lengths (int64 ``[local_batch]``) of rank ``rank``'s natural batch at step ``step``."""
     return _lengths(cfg, cfg.local_batch, [cfg.seed, step, rank])
 
 
@@ -119,7 +150,20 @@ class _RankStreams:
 
 
 def simulate(cfg: SimulationConfig, *, progress=None) -> SimulationResult:
-    """Run every setting over ``cfg.steps`` steps; ``progress(step, steps)`` is called per step."""
+    """Run every setting over ``cfg.steps`` steps (see the module docstring).
+
+    Args:
+        cfg: the workload and the shuffler's settings.
+        progress: called as ``progress(step, steps)`` after each step, if given.
+
+    Returns:
+        A ``SimulationResult``: per-step max/mean ratios (float ``[steps]``) by setting, the
+        shufflers' planning time per local batch and their delay histograms.
+
+    Raises:
+        ValueError: from the shuffler or the partitioner when the settings cannot be met (say, a
+            local batch larger than what the look-ahead can hold).
+    """
     a, b = cfg.a, cfg.b
     price = lambda sub_batch: sample_cost(np.asarray(sub_batch), a=a, b=b)
     calibration = _lengths(cfg, cfg.calibration_samples, [cfg.seed, _CALIBRATION_SEED])
@@ -200,6 +244,7 @@ def _merge_delays(histograms) -> dict[int, int]:
 
 
 def format_table(cfg: SimulationConfig, result: SimulationResult) -> str:
+    """The result as a Markdown table (one row per setting) under a line describing ``cfg``."""
     header = [
         "setting",
         "mean max/mean",
@@ -282,7 +327,10 @@ def _parse_args(argv):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> SimulationResult:
+def main(argv: list[str] | None = None) -> SimulationResult:
+    """The command line: parse ``argv`` (default ``sys.argv[1:]``), simulate, print the table
+    (and progress lines on stderr unless ``--quiet``), draw ``--plot`` if asked; returns the
+    result. Bad arguments exit through argparse (status 2)."""
     args = _parse_args(argv)
     cfg = SimulationConfig(
         ranks=args.ranks,
@@ -315,16 +363,40 @@ def main(argv=None) -> SimulationResult:
     result = simulate(cfg, progress=progress)
     print(format_table(cfg, result))
     if args.plot:
-        from ._png import write_line_chart
-
-        write_line_chart(
-            args.plot,
-            {name: values for name, values in result.ratios.items()},
-            title="PER-STEP MAX/MEAN RANK COST",
-            x_label="STEP",
-        )
-        print(f"\nplot written to {args.plot}")
+        print("\n" + plot_ratios(args.plot, result.ratios))
     return result
+
+
+def plot_ratios(path: str, ratios: dict[str, np.ndarray]) -> str:
+    """Draw each setting's per-step max/mean against the step into the PNG ``path``.
+
+    Args:
+        path: the file to write.
+        ratios: setting name -> per-step ratios (float ``[steps]``), as ``SimulationResult.ratios``.
+
+    Returns:
+        The line to print: ``"plot written to PATH"``, or ``NO_MATPLOTLIB`` when matplotlib (the
+        ``plot`` extra) is not installed, in which case nothing is written.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return NO_MATPLOTLIB
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.6))
+    for name, values in ratios.items():
+        ax.plot(np.arange(len(values)), values, label=name, linewidth=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean rank cost")
+    ax.set_title("per-step max/mean rank cost")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot written to {path}"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from .meter import measure_peak
 from .plan import CheckpointPlan, plan_checkpointing
 from .policies import POLICIES, set_policy
 from .profile import ModelProfile, profile_model
-from .quantize import FORMATS, QuantizedConfig, quantized_activations
+from .quantize import FORMATS, PackingStats, QuantizedConfig, quantized_activations
 from .regions import default_regions
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "FORMATS",
     "ModelProfile",
     "POLICIES",
+    "PackingStats",
     "QuantizedConfig",
     "default_regions",
     "measure_peak",

@@ -82,9 +82,11 @@ class AccountingMeter(TorchDispatchMode):
     # -- the timeline ------------------------------------------------------------------------
     @property
     def live(self) -> int:
+        """Bytes of the storages created under the meter that are still alive."""
         return self._live
 
     def mark(self) -> Mark:
+        """The bytes alive now and the peak since the previous mark; starts a new interval."""
         mark = Mark(self._live, self._peak)
         self._peak = self._live
         return mark
@@ -108,9 +110,11 @@ class CudaMeter:
 
     @property
     def live(self) -> int:
+        """Bytes allocated on the device above what was allocated when the meter started."""
         return torch.cuda.memory_allocated(self.device) - self._base
 
     def mark(self) -> Mark:
+        """The bytes alive now and the peak since the previous mark; starts a new interval."""
         peak = torch.cuda.max_memory_allocated(self.device) - self._base
         torch.cuda.reset_peak_memory_stats(self.device)
         return Mark(self.live, peak)
@@ -169,6 +173,14 @@ def measure_peak(model: torch.nn.Module, sample_inputs, *, loss_fn=None) -> int:
 
     Gradients are set to ``None`` first, as ``optimizer.zero_grad()`` does, so that the step
     allocates them. On CUDA this is ``max_memory_allocated``; elsewhere the storage accounting.
+
+    Args:
+        model: the model, as it will train (with a plan applied, say).
+        sample_inputs: a tensor or a tuple of positional inputs.
+        loss_fn: output -> scalar loss (default: the sum of every floating output needing grad).
+
+    Returns:
+        An int, bytes. ``ValueError`` when the default loss finds no output that needs grad.
     """
     inputs = tuple(sample_inputs) if isinstance(sample_inputs, (tuple, list)) else (sample_inputs,)
     loss_fn = loss_fn or default_loss

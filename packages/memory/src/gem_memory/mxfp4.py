@@ -30,11 +30,15 @@ _ROUND_UP_AT_TIE = (0.75, 1.75, 3.5)  # upper neighbour's code is even
 
 @dataclass
 class MXFP4:
+    """A tensor in MXFP4: E2M1 codes two per byte and one E8M0 scale (bias 127, 0xFF NaN) per 32
+    elements along the last dimension, and the original shape."""
+
     codes: torch.Tensor  # uint8, [..., n / 2]: two E2M1 codes per byte
     scale: torch.Tensor  # uint8 E8M0, [..., n / 32]
     shape: torch.Size
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values as ``dtype``, of the original shape (a NaN scale gives NaN)."""
         low, high = self.codes & 0xF, self.codes >> 4
         codes_N = torch.stack((low, high), dim=-1).reshape(*self.codes.shape[:-1], -1)
         grid = torch.tensor(_GRID, dtype=torch.float32, device=codes_N.device)
@@ -48,7 +52,13 @@ class MXFP4:
 
 
 def to_mxfp4(x: torch.Tensor) -> MXFP4:
-    """``x`` (last dimension a multiple of 32) in MXFP4."""
+    """``x`` (any floating dtype, last dimension a multiple of 32) in MXFP4.
+
+    Each block of 32 gets the scale ``2^e`` with ``e`` the smallest exponent that maps its amax
+    to at most 6 (E2M1's largest value), clamped to [-127, 127] (-127 for an all-zero block; a
+    block with Inf or NaN gets the NaN scale); elements round to nearest-even on the E2M1 grid.
+    ``ValueError`` for a scalar or a last dimension not a multiple of 32.
+    """
     if x.dim() == 0 or x.shape[-1] % BLOCK != 0:
         raise ValueError(
             f"x: expected a last dimension that is a multiple of {BLOCK}, got shape {tuple(x.shape)}"

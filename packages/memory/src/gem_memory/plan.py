@@ -115,6 +115,19 @@ def plan_checkpointing(
     ``compile``: profile the regions compiled by this function (e.g. ``torch.compile``), as
     ``plan.apply(model, compile=...)`` will run them.
     ``profile``: a ``ModelProfile`` from ``profile_model`` to plan again without profiling.
+    ``quantized_format`` / ``quantized_min_bytes``: the ``quantized`` policy's
+    ``QuantizedConfig``.
+
+    Returns:
+        A ``CheckpointPlan``: ``policies`` by region, the predicted peak and the recompute cost;
+        ``apply(model, compile=None)`` sets them, ``remove(model)`` undoes them, ``str(plan)`` is
+        a table.
+
+    Raises:
+        ValueError: a non-positive budget, or one below every plan's peak (the message names
+            the smallest feasible budget); regions that differ from a given profile's; allowed
+            policies not profiled, or none that fits a region; and as ``profile_model`` raises.
+        torch.cuda.OutOfMemoryError: as ``profile_model`` raises.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes: expected a positive number of bytes, got {budget_bytes!r}")

@@ -60,6 +60,10 @@ class PolicyProfile:
 
 @dataclass(frozen=True)
 class RegionProfile:
+    """One region's profile: its own input bytes, the outside bytes alive when its forward and
+    backward begin, its forward FLOPs, a ``PolicyProfile`` per policy measured, and the policies
+    that ran out of device memory even alone (never chosen)."""
+
     name: str
     input_bytes: int  # bytes of the inputs that belong to this region alone
     forward_base: (
@@ -77,9 +81,11 @@ class RegionProfile:
         return min(self.policies.values(), key=lambda p: (p.step_ms, p.flops))
 
     def recompute_ms(self, policy: str) -> float:
+        """Step time ``policy`` adds over ``keep`` (or the fastest policy that fit), ≥ 0."""
         return max(0.0, self.policies[policy].step_ms - self._baseline().step_ms)
 
     def recompute_flops(self, policy: str) -> float:
+        """FLOPs ``policy`` adds over ``keep`` (or the fastest policy that fit), ≥ 0."""
         return max(0.0, self.policies[policy].flops - self._baseline().flops)
 
 
@@ -222,6 +228,25 @@ def profile_model(
 
     The model's gradients and random-number state are restored afterwards, and any policy set on a
     region before (an applied plan) is put back.
+
+    Args:
+        model: the model; its regions must each run exactly once per forward.
+        sample_inputs: a tensor or a tuple of positional inputs (a real batch).
+        regions: submodule names (default ``default_regions(model)``).
+        loss_fn: output -> scalar loss (default: the sum of the outputs needing grad).
+        policies: a subset of ``POLICIES`` (``keep`` is always added: the baseline).
+        quantized: the ``QuantizedConfig`` of the ``quantized`` policy.
+        timing_reps: timed repetitions per region and policy (the median counts).
+        compile: as ``plan.apply(model, compile=...)`` will run the regions.
+
+    Returns:
+        A ``ModelProfile``.
+
+    Raises:
+        ValueError: bad regions (unknown, nested, repeated, none found), an unknown policy, or a
+            region that does not run exactly once per forward.
+        torch.cuda.OutOfMemoryError: the timeline's policy (``full`` when allowed) does not fit
+            even for one region alone; the message names it.
     """
     inputs = tuple(sample_inputs) if isinstance(sample_inputs, (tuple, list)) else (sample_inputs,)
     named = resolve_regions(model, regions)

@@ -29,13 +29,20 @@ range of E4M3), and an absolute error of at most ``2^-10 * scale`` below it.
 import importlib
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .mxfp4 import to_mxfp4
 
-__all__ = ["FORMATS", "QuantizedConfig", "quantized_activations", "pack", "unpack"]
+__all__ = [
+    "FORMATS",
+    "PackingStats",
+    "QuantizedConfig",
+    "quantized_activations",
+    "pack",
+    "unpack",
+]
 
 FORMATS = ("fp8_e4m3", "mxfp8", "mxfp4")
 _FP8_MAX = 448.0
@@ -54,6 +61,20 @@ class QuantizedConfig:
             raise ValueError(f"fmt: expected one of {FORMATS}, got {self.fmt!r}")
         if self.min_bytes < 0:
             raise ValueError(f"min_bytes: expected a non-negative byte count, got {self.min_bytes}")
+
+
+@dataclass
+class PackingStats:
+    """What one ``quantized_activations`` block did with the tensors autograd saved.
+
+    ``packed_shapes``: the shape of each tensor packed, in save order; ``reused``: saves that got
+    an earlier packed copy of the same tensor; ``kept``: saves left as they are (integer, small,
+    parameter-like or, for MX, a last dimension not a multiple of 32).
+    """
+
+    packed_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    reused: int = 0
+    kept: int = 0
 
 
 def _lowprec():
@@ -100,7 +121,9 @@ def _pack_fp8_rows(x: torch.Tensor) -> _RowFP8:
 
 
 def pack(x: torch.Tensor, fmt: str):
-    """Packed copy of ``x`` in ``fmt`` (``unpack`` restores shape and dtype)."""
+    """Packed copy of ``x`` (a floating tensor of any shape) in ``fmt``; ``unpack`` restores its
+    shape and dtype with the values rounded to the format. ``ValueError`` for an unknown
+    ``fmt``; ``ImportError`` for ``"mxfp8"`` without gem_lowprec."""
     if fmt == "fp8_e4m3":
         return _pack_fp8_rows(x)
     if fmt == "mxfp8":
@@ -112,6 +135,7 @@ def pack(x: torch.Tensor, fmt: str):
 
 
 def unpack(packed) -> torch.Tensor:
+    """The tensor ``pack`` packed: its shape and dtype, contiguous, values rounded."""
     return packed.restore()
 
 
@@ -137,33 +161,44 @@ def quantized_activations(fmt: str = "fp8_e4m3", *, min_bytes: int = 64 * 1024):
     """Keep the tensors autograd saves in this block quantized until the backward needs them.
 
     ``fmt``: ``"fp8_e4m3"`` (per-row scales), ``"mxfp8"`` (MX blocks of 32, via gem_lowprec) or
-    ``"mxfp4"`` (MX blocks of 32, E2M1 elements). ``min_bytes``: tensors smaller than this are saved as they are. For MX formats a
-    tensor whose last dimension is not a multiple of 32 is also saved as it is.
+    ``"mxfp4"`` (MX blocks of 32, E2M1 elements). ``min_bytes``: tensors smaller than this are
+    saved as they are. For MX formats a tensor whose last dimension is not a multiple of 32 is
+    also saved as it is. Yields a ``PackingStats`` that fills as the block's forward saves
+    tensors.
+
+    Raises:
+        ValueError: an unknown ``fmt`` or a negative ``min_bytes``.
+        ImportError: ``fmt="mxfp8"`` without gem_lowprec installed (the ``lowprec`` extra).
     """
     config = QuantizedConfig(fmt, min_bytes)
     if fmt == "mxfp8":
         _lowprec()  # fail at the door, not in the middle of a forward
-    with saved_tensor_packing(config):
-        yield
+    with saved_tensor_packing(config) as stats:
+        yield stats
 
 
 @contextmanager
 def saved_tensor_packing(config: QuantizedConfig):
-    """The hooks behind ``quantized_activations``, driven by a ``QuantizedConfig``."""
+    """The hooks behind ``quantized_activations``, driven by a ``QuantizedConfig``; yields the
+    block's ``PackingStats``."""
     # key -> (weak reference to the storage, packed copy); the weak reference tells a storage
     # that is still alive from a new one that happens to reuse the address.
     packed_once: dict[tuple, tuple] = {}
+    stats = PackingStats()
 
     def pack_hook(t: torch.Tensor):
         if not _packable(t, config):
+            stats.kept += 1
             return t
         storage = t.untyped_storage()
         key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t._version, t.dtype)
         hit = packed_once.get(key)
         if hit is not None and hit[0]() is storage:
+            stats.reused += 1
             return hit[1]
         packed = pack(t, config.fmt)
         packed_once[key] = (weakref.ref(storage), packed)
+        stats.packed_shapes.append(tuple(t.shape))
         return packed
 
     def unpack_hook(packed):
@@ -171,6 +206,6 @@ def saved_tensor_packing(config: QuantizedConfig):
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
-            yield
+            yield stats
     finally:
         packed_once.clear()

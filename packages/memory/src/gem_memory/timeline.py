@@ -19,6 +19,9 @@ __all__ = ["Timeline", "record_timeline"]
 
 @dataclass
 class Timeline:
+    """What ``record_timeline`` saw: the meter's marks at each region's forward and backward
+    edges, which inputs need grad, the outputs' shapes, and the policy every region ran under."""
+
     events: list = field(default_factory=list)  # (kind, region index, Mark)
     requires_grad: dict = field(default_factory=dict)  # name -> flags per flat input leaf
     outputs: dict = field(default_factory=dict)  # name -> [(shape, dtype, device)] needing grads

@@ -1,8 +1,8 @@
 """gem_parallel: topology-aware parallelism for GEM-like recommendation models.
 
 Planning (pure Python, no torch import): ``Topology``, ``CostModel``, ``ModelSpec``, ``make_plan``
--> ``Plan`` with a ``MeshLayout`` (``gem_parallel.plan`` is the command-line module,
-``python -m gem_parallel.plan``; ``make_plan`` is ``gem_parallel.planner.plan``). Running (torch.distributed): ``build_meshes`` -> ``ParallelMeshes``,
+(``gem_parallel.planner.plan``) -> ``Plan`` with a ``MeshLayout``; ``python -m gem_parallel.cli``
+is its command line. Running (torch.distributed): ``build_meshes`` -> ``ParallelMeshes``,
 ``apply_dense_parallel`` (FSDP2 HSDP + expert parallelism), ``MoE``. Sparse side:
 ``shard_embeddings`` and the ``collectives`` module.
 

@@ -65,6 +65,7 @@ class CollectiveEstimate:
 
     @property
     def seconds(self) -> float:
+        """The whole estimate: the sum over tiers."""
         return sum(self.per_tier.values())
 
 
@@ -152,6 +153,10 @@ class CostModel:
         *,
         algorithm: str = "best",
     ) -> CollectiveEstimate:
+        """The time of one collective of ``kind`` (``COLLECTIVES``) moving ``nbytes`` (as the
+        module docstring defines M) over a group placed as ``placement``; ``algorithm`` is
+        ``"flat"``, ``"hierarchical"`` or ``"best"`` (the cheaper). ``ValueError`` for an unknown
+        kind or algorithm or negative bytes."""
         _check(kind, nbytes, algorithm)
         if algorithm == "best":
             flat = flat_time(kind, nbytes, placement)
@@ -167,13 +172,17 @@ class CostModel:
         return CollectiveEstimate(kind, nbytes, placement.describe(), algorithm, per_tier)
 
     def group(self, size: int, stride: int) -> GroupPlacement:
+        """``topology.placement(size, stride)``."""
         return self.topology.placement(size, stride)
 
     def compute_seconds(self, flops: float) -> float:
+        """Seconds of ``flops`` at the topology's achieved FLOP/s."""
         return flops / self.topology.achieved_flops
 
     def overlap(self, compute_s: float, comm_s: float, *, engine: str = "nccl") -> float:
-        """Time of ``compute_s`` of compute overlapped with ``comm_s`` of communication."""
+        """Time of ``compute_s`` of compute overlapped with ``comm_s`` of communication on
+        ``engine`` (``"nccl"`` holds SMs, ``"copy_engine"`` none): ``max(c, p + c·s/S)``.
+        ``ValueError`` for an unknown engine."""
         if engine not in ENGINE_SMS:
             raise ValueError(f"engine must be one of {tuple(ENGINE_SMS)}, got {engine!r}")
         sm_share = ENGINE_SMS[engine] / self.topology.num_sms

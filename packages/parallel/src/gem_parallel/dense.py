@@ -35,6 +35,11 @@ from gem_parallel.moe import MoE
 
 @dataclass(frozen=True)
 class DenseParallelConfig:
+    """How ``apply_dense_parallel`` shards: FSDP2's mixed precision (``param_dtype`` for compute,
+    None for the parameters' own; ``reduce_dtype`` for gradient reduction), whether to reshard
+    after the forward, and the two hooks of the module docstring (``all_gather_hook(block)``
+    before sharding, ``fsdp_module_hook(fsdp_module)`` after)."""
+
     param_dtype: torch.dtype | None = torch.bfloat16  # None: compute in the parameters' dtype
     reduce_dtype: torch.dtype | None = torch.float32
     reshard_after_forward: bool = True
@@ -42,6 +47,7 @@ class DenseParallelConfig:
     fsdp_module_hook: Callable[[FSDPModule], None] | None = None
 
     def mp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2's ``MixedPrecisionPolicy`` of these dtypes."""
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
 
@@ -60,7 +66,18 @@ def apply_dense_parallel(
     blocks: Iterable[nn.Module] | None = None,
     config: DenseParallelConfig | None = None,
 ) -> nn.Module:
-    """Shard ``model`` in place (it becomes an FSDP module) and return it."""
+    """Shard ``model`` in place (it becomes an FSDP module) and return it.
+
+    Args:
+        model: built identically on every rank (same seed).
+        meshes: from ``build_meshes`` (the plan's layout).
+        blocks: the FSDP units (default: ``model.layers``, else each direct child with
+            parameters); the root is sharded last.
+        config: ``DenseParallelConfig`` (default: bf16 compute, fp32 reduction).
+
+    Raises:
+        ValueError: the layout's ``ep`` does not divide an MoE layer's number of experts.
+    """
     config = config or DenseParallelConfig()
     blocks = _default_blocks(model) if blocks is None else list(blocks)
     moes = [m for m in model.modules() if isinstance(m, MoE)]

@@ -19,6 +19,7 @@ SPARSE_INNER = ("replica", "mp")
 
 
 def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (≥ 1), ascending."""
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -34,6 +35,12 @@ def nearest_divisors(value: int, n: int) -> str:
 
 @dataclass(frozen=True)
 class MeshLayout:
+    """The three meshes' sizes (see the module docstring): ``world`` ranks, dense
+    ``dp_replicate x dp_shard``, ``ep`` dividing ``dp_shard``, sparse ``sparse_mp x
+    sparse_replicas`` (``sparse_mp=0``: the world over the replicas) with ``sparse_inner`` the
+    contiguous sparse dimension. ``ValueError`` names the nearest valid value of a field whose
+    product or divisibility does not hold."""
+
     world: int
     dp_replicate: int
     dp_shard: int
@@ -78,19 +85,23 @@ class MeshLayout:
 
     @property
     def edp_shard(self) -> int:
+        """The experts' data-parallel shard size: ``dp_shard / ep``."""
         return self.dp_shard // self.ep
 
     # (names, shape) of each mesh; strides follow from row-major order.
     @property
     def dense(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(dimension names, shape) of the dense mesh."""
         return ("dp_replicate", "dp_shard"), (self.dp_replicate, self.dp_shard)
 
     @property
     def expert(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(dimension names, shape) of the expert mesh."""
         return ("dp_replicate", "edp_shard", "ep"), (self.dp_replicate, self.edp_shard, self.ep)
 
     @property
     def sparse(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(dimension names, shape) of the sparse mesh, the contiguous dimension last."""
         if self.sparse_inner == "replica":
             return ("sparse_mp", "sparse_replica"), (self.sparse_mp, self.sparse_replicas)
         return ("sparse_replica", "sparse_mp"), (self.sparse_replicas, self.sparse_mp)
@@ -110,9 +121,11 @@ class MeshLayout:
         )
 
     def to_dict(self) -> dict:
+        """The fields as a dict."""
         return asdict(self)
 
     def describe(self) -> str:
+        """One line naming the three meshes' dimensions."""
         sparse_names, sparse_shape = self.sparse
         return (
             f"dense (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}); "

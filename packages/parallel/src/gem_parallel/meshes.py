@@ -34,6 +34,8 @@ from gem_parallel.layout import MeshLayout
 
 @dataclass
 class ParallelMeshes:
+    """The dense, expert and sparse ``DeviceMesh``es of one layout, over the same ranks."""
+
     layout: MeshLayout
     dense: DeviceMesh
     expert: DeviceMesh
@@ -58,13 +60,23 @@ class ParallelMeshes:
 
 
 def default_device_type() -> str:
+    """``"cuda"`` when the default process group is NCCL's, else ``"cpu"``."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return "cuda"
     return "cpu"
 
 
 def build_meshes(plan_or_layout, *, device_type: str | None = None) -> ParallelMeshes:
-    """Meshes for a :class:`~gem_parallel.planner.Plan` or a :class:`MeshLayout`."""
+    """Meshes for a :class:`~gem_parallel.planner.Plan` or a :class:`MeshLayout`.
+
+    ``device_type`` defaults to the default process group's (``default_device_type``). Without a
+    process group, a one-rank layout outside torchrun gets a private one-rank group; anything
+    larger lets ``init_device_mesh`` read torchrun's environment.
+
+    Raises:
+        TypeError: neither a plan nor a layout.
+        ValueError: the layout's world differs from the process group's.
+    """
     layout = getattr(plan_or_layout, "layout", plan_or_layout)
     if not isinstance(layout, MeshLayout):
         raise TypeError(

@@ -23,6 +23,17 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """What the planner needs to know about a model: parameter counts, shapes and work per GPU.
+
+    ``dense_params`` (excluding experts), ``num_layers``, ``d_model``; experts: ``num_experts``,
+    ``moe_layers``, ``expert_hidden``, ``top_k``; sparse: ``sparse_params`` (embedding values),
+    ``embedding_dim``, ``num_sparse_features``; per GPU and step: ``samples_per_gpu``,
+    ``tokens_per_gpu``, ``activation_bytes_per_token``; bytes: optimizer state per dense
+    parameter, dense weights on the wire, gradient reduction, per sparse value, per activation
+    value. ``ValueError`` for a negative or non-numeric field, a zero count that must be ≥ 1, or
+    inconsistent experts.
+    """
+
     name: str
     dense_params: int
     num_layers: int
@@ -69,14 +80,17 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
+        """Parameters of all experts of all MoE layers."""
         return self.moe_layers * self.num_experts * self.params_per_expert
 
     @property
     def total_dense_params(self) -> int:
+        """Dense parameters, experts included."""
         return self.dense_params + self.expert_params
 
     @property
     def active_params_per_token(self) -> int:
+        """Parameters one token runs through (dense plus its ``top_k`` experts per MoE layer)."""
         return self.dense_params + self.moe_layers * self.top_k * self.params_per_expert
 
     @property
@@ -85,6 +99,7 @@ class ModelSpec:
         return 6.0 * self.active_params_per_token * self.tokens_per_gpu
 
     def describe(self) -> str:
+        """One line: the name and the parameter counts."""
         return (
             f"{self.name}: {self.sparse_params:.3g} sparse, {self.dense_params:.3g} "
             f"dense + {self.expert_params:.3g} in {self.num_experts} experts x "
@@ -94,12 +109,14 @@ class ModelSpec:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def named(cls, name: str) -> "ModelSpec":
+        """A spec of ``NAMED_SPECS`` ("gem-small", "gem-large"); ``ValueError`` otherwise."""
         if name not in NAMED_SPECS:
             raise ValueError(f"unknown model {name!r}; named specs are {sorted(NAMED_SPECS)}")
         return NAMED_SPECS[name]
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
+        """A spec from its fields; ``ValueError`` names unknown fields."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -110,6 +127,7 @@ class ModelSpec:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelSpec":
+        """A spec from a JSON object of its fields (``name`` defaults to the file's stem)."""
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of ModelSpec fields")
@@ -128,6 +146,7 @@ class ModelSpec:
         )
 
     def to_dict(self) -> dict:
+        """The fields as a dict (``from_dict`` inverts it)."""
         return dataclasses.asdict(self)
 
 

@@ -58,6 +58,16 @@ from torch import nn
 
 @dataclass(frozen=True)
 class MoEConfig:
+    """An MoE layer's shape and dispatch capacity.
+
+    ``d_model`` tokens' width, ``d_hidden`` each expert's hidden width, ``num_experts`` E,
+    ``top_k`` experts per token (≤ E). ``capacity_factor``: slots per expert as a multiple of an
+    even share (``ceil(factor · T · top_k / E)``, at most T); None never drops an assignment.
+    ``max_tokens_per_rank``: a bound on the tokens any rank passes, shared by the ranks of an
+    expert-parallel group, so that they may pass different counts (jagged batches). ``ValueError``
+    for a size below 1, ``top_k > num_experts`` or a factor ≤ 0.
+    """
+
     d_model: int
     d_hidden: int
     num_experts: int
@@ -96,6 +106,7 @@ class MoEConfig:
         return self.capacity(bound)
 
     def capacity(self, num_tokens: int) -> int:
+        """Slots per expert for ``num_tokens`` tokens (≥ 1): all of them without a factor."""
         if self.capacity_factor is None:
             return max(1, num_tokens)
         return max(
@@ -163,6 +174,7 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0
 
     def forward(self, x_ECd: torch.Tensor) -> torch.Tensor:
+        """``silu(x @ w_in) @ w_out`` per expert: ``x [E, C, d_model]`` -> ``[E, C, d_model]``."""
         w_in, w_out = self.w_in, self.w_out
         if self.grad_scale != 1.0:
             w_in, w_out = (
@@ -173,6 +185,14 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
+    """Top-k mixture of experts with fixed-capacity dispatch (see the module docstring).
+
+    ``MoE(config)`` holds a bias-free router ``[E, d_model]`` and the experts' batched weights;
+    ``shard_experts(ep_group)`` (``apply_dense_parallel`` calls it) keeps this rank's ``E / ep``
+    experts and dispatches over the group. ``dropped_assignments`` is a device tensor: the
+    assignments the last forward dropped for capacity.
+    """
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
@@ -201,6 +221,10 @@ class MoE(nn.Module):
         self.ep_group, self.ep_size = ep_group, ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., d_model]`` (any float dtype) -> the same shape: each token's gate-weighted
+        sum of its ``top_k`` experts' outputs (dropped assignments contribute zero). Never syncs
+        with the host. ``ValueError`` for a wrong last dimension, or more tokens than
+        ``max_tokens_per_rank``."""
         shape, cfg = x.shape, self.config
         if shape[-1] != cfg.d_model:
             raise ValueError(

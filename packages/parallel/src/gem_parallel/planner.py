@@ -27,12 +27,14 @@ import math
 from gem_parallel.cost_model import CostModel
 from gem_parallel.layout import SPARSE_INNER, MeshLayout, divisors, nearest_divisors
 from gem_parallel.model_spec import ModelSpec
+from gem_parallel.rules import explain_rules
 from gem_parallel.step_cost import (
     SPARSE_MODES,
     Plan,
     PlannerConfig,
     combine,
     dense_half,
+    fastest_fitting,
     sparse_half,
 )
 from gem_parallel.topology import Topology
@@ -118,11 +120,6 @@ def _all_plans(topology, spec, cfg, fixed) -> list[Plan]:
     return [combine(model, spec, cfg, d, s) for d in dense for s in sparse]
 
 
-def fastest_fitting(plans: list[Plan]) -> Plan | None:
-    fitting = [p for p in plans if p.memory_bytes <= p.topology.usable_memory_bytes]
-    return min(fitting, key=lambda p: p.step_s) if fitting else None
-
-
 def _smallest_fitting_world(topology: Topology, spec: ModelSpec, cfg: PlannerConfig) -> int | None:
     """The fewest GPUs (whole hosts, then whole zones) on which the model fits at all."""
     sizes = list(range(topology.gpus_per_host, topology.gpus_per_zone + 1, topology.gpus_per_host))
@@ -199,9 +196,24 @@ def plan(
     config: PlannerConfig | None = None,
     explain: bool = True,
 ) -> Plan:
-    """The fastest plan that fits; keyword arguments pin a choice instead of searching it."""
-    from gem_parallel.rules import explain_rules  # the rules use this module's Plan
+    """The fastest plan that fits; keyword arguments pin a choice instead of searching it.
 
+    Args:
+        topology: the cluster.
+        spec: the model.
+        dp_shard, dp_replicate, ep, sparse_replicas, sparse_inner: pin these layout fields.
+        config: ``PlannerConfig`` (default: NCCL, fully sharded 2D embeddings).
+        explain: check the plan against GEM's rules and say why it breaks any (``Plan.rules``).
+
+    Returns:
+        The ``Plan`` with the least step time among those that fit in usable GPU memory.
+
+    Raises:
+        ValueError: an unknown sparse mode or ``sparse_inner``; a pinned value that does not
+            divide the world, contradicts another or the model (``ep`` with no experts); or no
+            plan fits, in which case the message names the smallest change that would (a pinned
+            value, more GPUs, or GPUs with more memory).
+    """
     config = config or PlannerConfig()
     if config.sparse_mode not in SPARSE_MODES:
         raise ValueError(f"sparse_mode must be one of {SPARSE_MODES}, got {config.sparse_mode!r}")

@@ -16,8 +16,7 @@ when the rule is kept is named.
 import dataclasses
 from collections.abc import Callable
 
-from gem_parallel.planner import fastest_fitting
-from gem_parallel.step_cost import Plan
+from gem_parallel.step_cost import Plan, fastest_fitting
 
 
 def _placement(plan: Plan, dim: str):

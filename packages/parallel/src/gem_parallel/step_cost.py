@@ -21,7 +21,6 @@ call on one process group, as torch runs it):
   real gradients touch only the looked-up rows); plain 2D all-reduces the shard's gradient.
 """
 
-import functools
 from dataclasses import dataclass, field
 
 from gem_parallel.cost_model import CollectiveEstimate, CostModel
@@ -34,6 +33,10 @@ SPARSE_MODES = ("fully_sharded_2d", "2d")
 
 @dataclass(frozen=True)
 class PlannerConfig:
+    """How the planner costs a plan: the collectives' engine (``"nccl"`` on the SMs or
+    ``"copy_engine"``), the sparse mode (``SPARSE_MODES``), how many chunks a fully sharded table
+    is gathered in, and whether FSDP reshards after the forward (two gathers per layer)."""
+
     engine: str = "nccl"  # collectives on the SMs ("nccl") or on the copy engines ("copy_engine")
     sparse_mode: str = "fully_sharded_2d"
     # the fully sharded tables are gathered 1/sparse_gather_chunks of the shard at a time,
@@ -44,6 +47,9 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class PlannedCollective:
+    """One collective of a plan: its name, mesh dimension, calls per step, the estimate of one
+    call, and whether it overlaps compute."""
+
     name: str
     dim: str
     calls: int
@@ -52,9 +58,11 @@ class PlannedCollective:
 
     @property
     def seconds(self) -> float:
+        """Seconds per step: calls times one call's estimate."""
         return self.calls * self.per_call.seconds
 
     def per_tier(self) -> dict[str, float]:
+        """Seconds per step by tier."""
         return {k: self.calls * v for k, v in self.per_call.per_tier.items()}
 
 
@@ -69,6 +77,11 @@ class Half:
 
 @dataclass
 class Plan:
+    """A parallel plan: the layout chosen for ``spec`` on ``topology``, its collectives, memory
+    per GPU by part (bytes), and the step time's terms in seconds (``step_s = overlap(compute_s,
+    overlapped_s) + exposed_s``); ``candidates`` plans were costed and ``rules`` says which of
+    GEM's placement rules it keeps and why it breaks the others."""
+
     topology: Topology
     spec: ModelSpec
     layout: MeshLayout
@@ -84,6 +97,7 @@ class Plan:
 
     @property
     def memory_bytes(self) -> float:
+        """Memory per GPU, all parts."""
         return sum(self.memory.values())
 
     def terms(self) -> dict[str, float]:
@@ -95,6 +109,7 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
+        """Everything as plain JSON types (the command line's ``--json``)."""
         return {
             "model": self.spec.name,
             "topology": {
@@ -131,24 +146,26 @@ class Plan:
         }
 
 
+def fastest_fitting(plans: list[Plan]) -> Plan | None:
+    """The plan with the least step time among those that fit in GPU memory; None if none fits."""
+    fitting = [p for p in plans if p.memory_bytes <= p.topology.usable_memory_bytes]
+    return min(fitting, key=lambda p: p.step_s) if fitting else None
+
+
 # ------------------------------------------------------------------------------------------
 # costing one half
-
-
-@functools.lru_cache(maxsize=4096)
-def _placement(topology: Topology, size: int, stride: int):
-    return topology.placement(size, stride)
 
 
 def _collective(model, layout, name, dim, kind, nbytes, calls, overlapped, algorithm="flat"):
     size, stride = layout.group(dim)
     estimate = model.collective(
-        kind, nbytes, _placement(model.topology, size, stride), algorithm=algorithm
+        kind, nbytes, model.topology.placement(size, stride), algorithm=algorithm
     )
     return PlannedCollective(name, dim, calls, estimate, overlapped)
 
 
 def dense_half(model: CostModel, spec: ModelSpec, cfg: PlannerConfig, dp_shard, ep) -> Half:
+    """The collectives and memory of FSDP2 HSDP over ``dp_shard`` with expert parallelism ``ep``."""
     world = model.topology.num_gpus
     layout = MeshLayout(world, world // dp_shard, dp_shard, ep)
     L, wb, gb = spec.num_layers, spec.dense_compute_bytes, spec.grad_reduce_bytes
@@ -257,6 +274,8 @@ def dense_half(model: CostModel, spec: ModelSpec, cfg: PlannerConfig, dp_shard, 
 
 
 def sparse_half(model: CostModel, spec: ModelSpec, cfg: PlannerConfig, replicas, inner) -> Half:
+    """The collectives and memory of the embeddings over ``replicas`` sparse replicas, with
+    ``inner`` (``"replica"`` or ``"mp"``) the contiguous sparse dimension."""
     world = model.topology.num_gpus
     layout = MeshLayout(world, 1, world, sparse_replicas=replicas, sparse_inner=inner)
     cs, memory = [], {}
@@ -329,6 +348,7 @@ def sparse_half(model: CostModel, spec: ModelSpec, cfg: PlannerConfig, replicas,
 
 
 def combine(model, spec, cfg, dense: Half, sparse: Half) -> Plan:
+    """The candidate plan of one dense and one sparse half: memory adds up, step time as above."""
     world = model.topology.num_gpus
     layout = MeshLayout(world, world // dense.choice["dp_shard"], **dense.choice, **sparse.choice)
     collectives = list(dense.collectives) + list(sparse.collectives)

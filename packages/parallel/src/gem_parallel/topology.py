@@ -21,6 +21,7 @@ with NVLink 4 and 400 Gb/s RoCE NICs; override them with measured values.
 """
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 TIER_NAMES = ("nvlink", "roce", "cross_zone")
@@ -57,6 +58,7 @@ class GroupPlacement:
 
     @property
     def size(self) -> int:
+        """Members of the group."""
         return self.sizes[0] * self.sizes[1] * self.sizes[2]
 
     @property
@@ -72,8 +74,17 @@ class GroupPlacement:
         return [(s, t) for s, t in zip(self.sizes, self.tiers, strict=True) if s > 1]
 
     def describe(self) -> str:
+        """``"8xnvlink*2xroce"``: the fan-out per tier crossed (``"local"`` for one rank)."""
         names = [f"{s}x{t.name}" for s, t in self.used()]
         return "*".join(names) if names else "local"
+
+
+def _domains_hit(size: int, stride: int, domain: int) -> int:
+    """How many domains of ``domain`` consecutive ranks hold a member of ``{0, stride, ...,
+    (size - 1) * stride}``: every member its own when the stride spans a domain, else every
+    domain from the first to the last member's (consecutive members are less than a domain
+    apart, so none is skipped)."""
+    return size if stride >= domain else (size - 1) * stride // domain + 1
 
 
 @dataclass(frozen=True)
@@ -134,32 +145,39 @@ class Topology:
     # -- shape -------------------------------------------------------------------------------
     @property
     def gpus_per_zone(self) -> int:
+        """GPUs of one zone."""
         return self.gpus_per_host * self.hosts_per_zone
 
     @property
     def num_hosts(self) -> int:
+        """Hosts of the cluster."""
         return self.num_gpus // self.gpus_per_host
 
     @property
     def num_zones(self) -> int:
+        """Zones of the cluster (1 when it fits in one)."""
         return max(1, -(-self.num_gpus // self.gpus_per_zone))
 
     @property
     def cross_zone(self) -> Tier:
+        """The spine: RoCE bandwidth over the oversubscription, ``cross_zone_latency``."""
         return Tier(
             "cross_zone", self.roce.bandwidth / self.oversubscription, self.cross_zone_latency
         )
 
     @property
     def tiers(self) -> tuple[Tier, Tier, Tier]:
+        """(nvlink, roce, cross_zone), innermost first."""
         return (self.nvlink, self.roce, self.cross_zone)
 
     @property
     def usable_memory_bytes(self) -> float:
+        """GPU memory a plan may use: ``gpu_memory_bytes · memory_headroom``."""
         return self.gpu_memory_bytes * self.memory_headroom
 
     @property
     def achieved_flops(self) -> float:
+        """FLOP/s a step achieves: ``gpu_flops · achieved_flops_fraction``."""
         return self.gpu_flops * self.achieved_flops_fraction
 
     def placement(self, size: int, stride: int) -> GroupPlacement:
@@ -178,16 +196,14 @@ class Topology:
                 f"a group of {size} ranks with stride {stride} needs {(size - 1) * stride + 1} "
                 f"ranks but the topology has num_gpus={self.num_gpus}"
             )
-        ranks = [i * stride for i in range(size)]
-        hosts = {r // self.gpus_per_host for r in ranks}
-        zones = {r // self.gpus_per_zone for r in ranks}
-        per_host = -(-size // len(hosts))
-        hosts_per_zone = -(-len(hosts) // len(zones))
-        return GroupPlacement(
-            (per_host, hosts_per_zone, len(zones)), self.tiers, self.message_overhead
-        )
+        hosts = _domains_hit(size, stride, self.gpus_per_host)
+        zones = _domains_hit(size, stride, self.gpus_per_zone)
+        per_host = -(-size // hosts)
+        hosts_per_zone = -(-hosts // zones)
+        return GroupPlacement((per_host, hosts_per_zone, zones), self.tiers, self.message_overhead)
 
     def describe(self) -> str:
+        """One line: the shape and the tiers' bandwidths."""
         return (
             f"{self.num_gpus} GPUs = {self.num_zones} zone(s) x {min(self.num_hosts, self.hosts_per_zone)}"
             f" host(s) x {self.gpus_per_host} GPUs; nvlink {self.nvlink.bandwidth / 1e9:.0f} GB/s, "
@@ -196,23 +212,32 @@ class Topology:
         )
 
     @classmethod
-    def detect(cls, **overrides) -> "Topology":
+    def detect(cls, *, environ: Mapping[str, str] | None = None, **overrides) -> "Topology":
         """The topology of the running job, from torchrun's environment and the local devices.
 
         ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun) give the GPU and per-host
         counts; ``GEM_HOSTS_PER_ZONE`` the zone size (default: every host in one zone). Without
-        torchrun, one host with ``torch.cuda.device_count()`` GPUs (1 on a CPU machine). Keyword
-        overrides win over everything detected.
+        torchrun, one host with ``torch.cuda.device_count()`` GPUs (1 on a CPU machine). On CUDA
+        the memory and SM count come from device 0.
+
+        Args:
+            environ: where to read the variables (default ``os.environ``).
+            **overrides: ``Topology`` fields that win over everything detected.
+
+        Raises:
+            ValueError: the detected or overridden values make no valid topology (see the
+                checks of ``Topology``).
         """
         import torch
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
-        world = int(os.environ.get("WORLD_SIZE", 0)) or local
+        environ = os.environ if environ is None else environ
+        local = int(environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
+        world = int(environ.get("WORLD_SIZE", 0)) or local
         hosts = max(1, world // local)
         values = {
             "num_gpus": world,
             "gpus_per_host": local,
-            "hosts_per_zone": int(os.environ.get("GEM_HOSTS_PER_ZONE", 0)) or hosts,
+            "hosts_per_zone": int(environ.get("GEM_HOSTS_PER_ZONE", 0)) or hosts,
         }
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)

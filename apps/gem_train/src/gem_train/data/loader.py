@@ -23,10 +23,10 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+from gem_loadbalance.workloads import lognormal_lengths
 
 from gem_train.config import DataConfig, ModelConfig
 from gem_train.data.batch import Batch
-from gem_train.data.synthetic import lognormal_lengths
 
 _END = object()
 

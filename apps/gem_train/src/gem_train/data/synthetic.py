@@ -14,22 +14,20 @@ agree) decides the labels from the features, so a model that learns can push NE 
   tower learns. The conversion logit adds a second advertiser weight and lowers the base rate.
 
 History lengths follow the log-normal shape of workload J1 (``clip(exp(Normal(log(median),
-sigma)), lo, hi)``). Batch ``i`` of stream ``s`` is a pure function of ``(seed, s, i)``: the
-stream is deterministic and resuming at batch ``i`` needs nothing but ``i``.
+sigma)), lo, hi)``, drawn by ``gem_loadbalance.workloads.lognormal_lengths``). Batch ``i`` of
+stream ``s`` is a pure function of ``(seed, s, i)``: the stream is deterministic and resuming at
+batch ``i`` needs nothing but ``i``.
 """
 
 import numpy as np
 import torch
+from gem_loadbalance.workloads import lognormal_lengths
 
 from gem_train.config import DataConfig, ModelConfig
 from gem_train.data.batch import Batch, offsets_of, time_bucket_of
 
 TEACHER_SEED = 20261129
 TRAIN_STREAM, EVAL_STREAM = 0, 1
-
-
-def lognormal_lengths(rng, n: int, *, median: int, sigma: float, lo: int, hi: int) -> np.ndarray:
-    return np.clip(np.exp(rng.normal(np.log(median), sigma, size=n)), lo, hi).astype(np.int64)
 
 
 class Teacher:

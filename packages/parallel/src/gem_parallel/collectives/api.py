@@ -13,14 +13,24 @@ All three work along dim 0 and return new tensors (the input is never modified):
 ``engine="sm"`` runs the process group's own collective (NCCL on GPUs, gloo on the CPU);
 ``engine="copy_engine"`` runs the symmetric-memory path of ``copy_engine.py`` (CUDA, one host);
 ``engine="auto"`` picks per call with ``policy.choose_engine`` from the message size and the
-``overlap`` hint. With ``async_op=True`` the functions return ``(output, work)``; read the output
-only after ``work.wait()``.
+``overlap`` hint. The copy engines keep a workspace per group between calls: pass the
+``CopyEngines`` that holds them as ``engines=`` (without it ``"auto"`` stays on the process group
+and ``"copy_engine"`` is refused). With ``async_op=True`` the functions return ``(output, work)``;
+read the output only after ``work.wait()``.
+
+Arguments common to the three: ``group`` (default the world group), ``engine`` (``"auto"``,
+``"copy_engine"``, ``"sm"``), ``overlap`` (the caller overlaps the collective with compute: the
+policy's hint), ``async_op``, ``policy`` (``EnginePolicy``, the thresholds of ``"auto"``) and
+``engines``. Errors: ``TypeError`` for a non-tensor, ``ValueError`` for a scalar, a bad engine or
+op, rows that do not split, or split sizes that do not add up; ``RuntimeError`` when
+torch.distributed is not initialized.
 """
 
 import torch
 import torch.distributed as dist
 
 from . import copy_engine
+from .copy_engine import CopyEngines
 from .policy import DEFAULT_POLICY, EnginePolicy, choose_engine
 
 REDUCE_OPS = ("sum", "avg")
@@ -61,18 +71,29 @@ def all_gather(
     overlap: bool = False,
     async_op: bool = False,
     policy: EnginePolicy = DEFAULT_POLICY,
+    engines: CopyEngines | None = None,
 ):
-    """Concatenate every rank's ``x`` along dim 0, in rank order."""
+    """Concatenate every rank's ``x`` along dim 0, in rank order.
+
+    ``x [n, ...]`` (any dtype, the same shape on every rank) -> ``[world * n, ...]``, a new
+    tensor; with ``async_op``, ``(output, work)``. Arguments and errors: the module docstring.
+    """
     _check_tensor("x", x)
     group = _group(group)
     x = x.contiguous()
     output = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
     nbytes = x.numel() * x.element_size()
     chosen = choose_engine(
-        engine, nbytes=nbytes, device=x.device, group=group, overlap=overlap, policy=policy
+        engine,
+        nbytes=nbytes,
+        device=x.device,
+        group=group,
+        overlap=overlap,
+        policy=policy,
+        engines=engines,
     )
     if chosen == "copy_engine":
-        work = copy_engine.all_gather_into(output, x, group, async_op=async_op)
+        work = copy_engine.all_gather_into(output, x, group, engines=engines, async_op=async_op)
     else:
         work = all_gather_single(output, x, group=group, async_op=async_op)
     return _done(output, work, async_op)
@@ -87,8 +108,14 @@ def reduce_scatter(
     overlap: bool = False,
     async_op: bool = False,
     policy: EnginePolicy = DEFAULT_POLICY,
+    engines: CopyEngines | None = None,
 ):
-    """Rank r gets the sum (or mean) over ranks of chunk r of ``x`` (dim 0 split in ``world``)."""
+    """Rank r gets the sum (or mean) over ranks of chunk r of ``x`` (dim 0 split in ``world``).
+
+    ``x [world * n, ...]`` -> ``[n, ...]``; ``op`` is ``"sum"`` or ``"avg"`` (floating dtypes only,
+    ``TypeError`` otherwise). Half-precision sums accumulate in fp32 on the copy-engine path.
+    Arguments and errors: the module docstring.
+    """
     _check_tensor("x", x)
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
@@ -105,10 +132,18 @@ def reduce_scatter(
     output = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     nbytes = output.numel() * output.element_size()
     chosen = choose_engine(
-        engine, nbytes=nbytes, device=x.device, group=group, overlap=overlap, policy=policy
+        engine,
+        nbytes=nbytes,
+        device=x.device,
+        group=group,
+        overlap=overlap,
+        policy=policy,
+        engines=engines,
     )
     if chosen == "copy_engine":
-        work = copy_engine.reduce_scatter_into(output, x, group, op=op, async_op=async_op)
+        work = copy_engine.reduce_scatter_into(
+            output, x, group, op=op, engines=engines, async_op=async_op
+        )
         return _done(output, work, async_op)
     # gloo has no AVG: sum, then divide when the sum is complete, so every backend agrees.
     work = reduce_scatter_single(output, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -142,7 +177,8 @@ def exchange_split_sizes(
     input_split_sizes: list[int], *, group: dist.ProcessGroup, device: torch.device
 ) -> list[int]:
     """The rows each peer will send here, from the rows this rank sends each peer (one small
-    all-to-all of counts on ``device`` and one device-to-host copy)."""
+    all-to-all of int64 counts on ``device`` and one device-to-host copy); a list of ``world``
+    ints. Every rank of ``group`` must call it."""
     send = torch.tensor(input_split_sizes, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -159,9 +195,17 @@ def all_to_all(
     overlap: bool = False,
     async_op: bool = False,
     policy: EnginePolicy = DEFAULT_POLICY,
+    engines: CopyEngines | None = None,
 ):
     """Rows of ``x`` go to ranks by ``input_split_sizes``; the output holds, in rank order, the
-    rows every rank sent here."""
+    rows every rank sent here.
+
+    ``x [rows, ...]``; ``input_split_sizes`` (one count per rank, summing to ``rows``) and
+    ``output_split_sizes`` (one per rank) default to equal splits, and the output splits, when
+    only the input ones are given, are exchanged first. Uneven splits with ``engine="auto"`` take
+    the process group (ranks would not agree on a size-based choice). Returns
+    ``[sum(output_split_sizes), ...]``. Arguments and errors: the module docstring.
+    """
     _check_tensor("x", x)
     group = _group(group)
     world = group.size()
@@ -192,14 +236,22 @@ def all_to_all(
     decide = engine if (equal or engine != "auto") else "sm"
     nbytes = x.numel() * x.element_size()
     chosen = choose_engine(
-        decide, nbytes=nbytes, device=x.device, group=group, overlap=overlap, policy=policy
+        decide,
+        nbytes=nbytes,
+        device=x.device,
+        group=group,
+        overlap=overlap,
+        policy=policy,
+        engines=engines,
     )
     if chosen == "copy_engine":
         if equal:
             send_rows = [list(input_split_sizes) for _ in range(world)]
         else:
             send_rows = _split_matrix(input_split_sizes, group=group, device=x.device)
-        work = copy_engine.all_to_all_into(output, x, group, send_rows=send_rows, async_op=async_op)
+        work = copy_engine.all_to_all_into(
+            output, x, group, send_rows=send_rows, engines=engines, async_op=async_op
+        )
     else:
         work = dist.all_to_all_single(
             output,

@@ -1,6 +1,7 @@
 """Collectives moved by the GPUs' copy engines through PyTorch symmetric memory.
 
-Each process group gets one workspace: a buffer allocated with
+Each process group gets one workspace, kept in a ``CopyEngines`` object the caller holds: a buffer
+allocated with
 ``torch.distributed._symmetric_memory.empty`` and exchanged once with ``rendezvous``, after which
 every rank can address every peer's workspace as an ordinary CUDA tensor
 (``handle.get_buffer(peer, shape, dtype, offset)``). A ``copy_`` between two contiguous tensors of
@@ -56,21 +57,6 @@ class _GroupState:
     handle: object | None = None
 
 
-# Keyed by (name, id): a group destroyed and re-created may reuse its name.
-_states: dict[tuple[str, int], _GroupState] = {}
-_one_host: dict[tuple[str, int], tuple[dist.ProcessGroup, bool]] = {}
-
-
-def group_is_on_one_host(group: dist.ProcessGroup) -> bool:
-    """True when every rank of ``group`` runs on this host (a collective on first call, cached)."""
-    key = (group.group_name, id(group))
-    if key not in _one_host:
-        hosts: list[str | None] = [None] * group.size()
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _one_host[key] = (group, len(set(hosts)) == 1)
-    return _one_host[key][1]
-
-
 def _symm_mem():
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -86,23 +72,52 @@ def _enable_group(symm_mem, group_name: str) -> None:
         enable(group_name)
 
 
-def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _GroupState:
-    """The group's workspace, grown (a collective: every rank asks for the same size) if needed."""
-    name = group.group_name
-    state = _states.get((name, id(group)))
-    if state is None:
-        state = _GroupState(group=group, stream=torch.cuda.Stream(device=device))
-        _states[(name, id(group))] = state
-    have = 0 if state.buffer is None else state.buffer.numel()
-    if have < nbytes:
-        _disable_multicast()
-        symm_mem = _symm_mem()
-        _enable_group(symm_mem, name)
-        size = max(_MIN_WORKSPACE_BYTES, 1 << (nbytes - 1).bit_length())
-        state.stream.synchronize()  # the old workspace may still be read by queued copies
-        state.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        state.handle = symm_mem.rendezvous(state.buffer, name)
-    return state
+class CopyEngines:
+    """What the copy-engine path keeps between calls, per process group.
+
+    For each group it has seen: whether every rank runs on this host (learnt by one collective,
+    ``all_gather_object`` of the host names, on the group's first ``engine="auto"`` or
+    ``"copy_engine"`` call), and the group's symmetric-memory workspace with the side stream its
+    copies run on (allocated, and grown to the next power of two, by a collective rendezvous).
+    Every rank of a group must use its ``CopyEngines`` in the same calls, in the same order.
+
+    Create one per process (or one per module that owns its groups) and pass it to the
+    collectives as ``engines=``; it holds device memory until it is dropped. Entries are keyed by
+    the group's name and identity, so a group destroyed and re-created under the same name gets
+    a fresh entry.
+    """
+
+    def __init__(self):
+        self._states: dict[tuple[str, int], _GroupState] = {}
+        self._one_host: dict[tuple[str, int], tuple[dist.ProcessGroup, bool]] = {}
+
+    def on_one_host(self, group: dist.ProcessGroup) -> bool:
+        """True when every rank of ``group`` runs on this host (a collective on the first call)."""
+        key = (group.group_name, id(group))
+        if key not in self._one_host:
+            hosts: list[str | None] = [None] * group.size()
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+            self._one_host[key] = (group, len(set(hosts)) == 1)
+        return self._one_host[key][1]
+
+    def workspace(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _GroupState:
+        """The group's workspace of at least ``nbytes``, grown if needed (a collective: every rank
+        asks for the same size)."""
+        name = group.group_name
+        state = self._states.get((name, id(group)))
+        if state is None:
+            state = _GroupState(group=group, stream=torch.cuda.Stream(device=device))
+            self._states[(name, id(group))] = state
+        have = 0 if state.buffer is None else state.buffer.numel()
+        if have < nbytes:
+            _disable_multicast()
+            symm_mem = _symm_mem()
+            _enable_group(symm_mem, name)
+            size = max(_MIN_WORKSPACE_BYTES, 1 << (nbytes - 1).bit_length())
+            state.stream.synchronize()  # the old workspace may still be read by queued copies
+            state.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+            state.handle = symm_mem.rendezvous(state.buffer, name)
+        return state
 
 
 class CopyEngineWork:
@@ -112,10 +127,12 @@ class CopyEngineWork:
         self._event = event
 
     def wait(self) -> bool:
+        """Make the current stream wait for the collective (no host wait); returns True."""
         torch.cuda.current_stream().wait_event(self._event)
         return True
 
     def is_completed(self) -> bool:
+        """Whether the collective's copies have finished on the device."""
         return self._event.query()
 
 
@@ -131,14 +148,19 @@ def _finish(state: _GroupState, tensors: list[torch.Tensor], async_op: bool):
 
 
 def all_gather_into(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    engines: CopyEngines,
+    async_op: bool = False,
 ) -> CopyEngineWork | None:
     """``output[r * n : (r + 1) * n] = input of rank r`` along dim 0, by copy engines.
 
     ``input`` may be a view of ``output``'s own chunk (FSDP2's in-place all-gather).
     """
     world, rank = group.size(), group.rank()
-    state = _workspace(group, input.device, input.numel() * input.element_size())
+    state = engines.workspace(group, input.device, input.numel() * input.element_size())
     handle = state.handle
     chunks = output.chunk(world)
     state.stream.wait_stream(torch.cuda.current_stream())
@@ -162,11 +184,12 @@ def reduce_scatter_into(
     group: dist.ProcessGroup,
     *,
     op: str,
+    engines: CopyEngines,
     async_op: bool = False,
 ) -> CopyEngineWork | None:
     """``output = reduce over ranks of input[rank * n : (rank + 1) * n]`` (sum or avg)."""
     world, rank = group.size(), group.rank()
-    state = _workspace(group, input.device, input.numel() * input.element_size())
+    state = engines.workspace(group, input.device, input.numel() * input.element_size())
     handle = state.handle
     chunks = input.chunk(world)
     chunk_numel = chunks[0].numel()
@@ -193,6 +216,7 @@ def all_to_all_into(
     group: dist.ProcessGroup,
     *,
     send_rows: list[list[int]],
+    engines: CopyEngines,
     async_op: bool = False,
 ) -> CopyEngineWork | None:
     """Rows ``send_rows[s][d]`` go from rank s to rank d, in rank order on both sides (pull model).
@@ -204,7 +228,7 @@ def all_to_all_into(
     row_numel = input[0].numel() if input.shape[0] else int(torch.Size(input.shape[1:]).numel())
     row_bytes = row_numel * input.element_size()
     widest = max(sum(row) for row in send_rows)
-    state = _workspace(group, input.device, max(widest * row_bytes, 1))
+    state = engines.workspace(group, input.device, max(widest * row_bytes, 1))
     handle = state.handle
     rest = tuple(input.shape[1:])
     state.stream.wait_stream(torch.cuda.current_stream())

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import CopyEngines
 from .fused_optimizer import RowwiseAdagrad
 from .kjt import FeatureIds, JaggedEmbeddings, KeyedJagged, PooledEmbeddings, split_features
 from .native import ShardedEmbeddingTables, ShardingConfig
@@ -92,6 +93,7 @@ def shard_embeddings(
     replica_group: dist.ProcessGroup | None = None,
     config: ShardingConfig | None = None,
     device: torch.device | str | None = None,
+    engines: CopyEngines | None = None,
 ) -> nn.Module:
     """Shard ``module`` (an ``EmbeddingTables``, or a torchrec EmbeddingBagCollection /
     EmbeddingCollection) over the mesh; returns a module with the same forward.
@@ -100,6 +102,23 @@ def shard_embeddings(
     slice, on ``device`` (default: where ``module``'s weights are), so the full tables may stay on
     the CPU. ``config`` (``ShardingConfig``) picks fully sharded vs 2D, prefetch, gradient reduction
     and the collectives' engine; the torchrec back end reads only ``fully_sharded`` from it.
+
+    Args:
+        module: the tables to shard.
+        backend: ``"native"`` (plain PyTorch, CPU or GPU) or ``"torchrec"`` (CUDA, the extra).
+        mesh: a 1D (model parallel) or 2D (replicas x model parallel) ``DeviceMesh``; or pass
+            ``model_parallel_group`` (default: the world) and ``replica_group`` instead.
+        config: ``ShardingConfig`` (default: fully sharded, prefetch, ``reduce="avg"``, engine
+            ``"auto"``).
+        device: where the shards live.
+        engines: the ``collectives.CopyEngines`` that keeps the copy engines' workspaces (native
+            back end; default: the sharded module's own, as its ``copy_engines``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: an unknown backend, a mesh and groups together, a mesh of 3 or more
+            dimensions, groups larger than the world, or tables with a fused optimizer.
+        TypeError: ``module`` is neither ``EmbeddingTables`` nor a torchrec collection.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -136,5 +155,10 @@ def shard_embeddings(
                 f"EmbeddingBagCollection / EmbeddingCollection, got {type(module).__name__}"
             )
     return ShardedEmbeddingTables(
-        module, model_parallel_group=mp, replica_group=replicas, config=config, device=device
+        module,
+        model_parallel_group=mp,
+        replica_group=replicas,
+        config=config,
+        device=device,
+        engines=engines,
     )

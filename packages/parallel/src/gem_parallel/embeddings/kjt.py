@@ -57,15 +57,19 @@ class KeyedJagged:
         return cls(keys, values, lengths)
 
     def keys(self) -> list[str]:
+        """The feature keys, in order."""
         return self._keys
 
     def values(self) -> torch.Tensor:
+        """Every key's ids, key-major: int ``[total]``."""
         return self._values
 
     def lengths(self) -> torch.Tensor:
+        """Ids per (key, sample), key-major: int ``[keys · B]``."""
         return self._lengths
 
     def weights_or_none(self) -> torch.Tensor | None:
+        """Per-id weights (float ``[total]``) or None."""
         return self._weights
 
     def length_per_key(self) -> list[int]:
@@ -77,9 +81,11 @@ class KeyedJagged:
         return self._length_per_key
 
     def stride(self) -> int:
+        """The batch size B."""
         return self._lengths.numel() // len(self._keys)
 
     def variable_stride_per_key(self) -> bool:
+        """Always False: every key has the batch size ``stride()``."""
         return False
 
 
@@ -146,6 +152,7 @@ class PooledEmbeddings:
     values: torch.Tensor
 
     def to_dict(self) -> dict[str, torch.Tensor]:
+        """``{key: values [B, dim]}`` (views)."""
         return dict(zip(self.keys, self.values.split(self.dims, dim=1), strict=True))
 
 
@@ -157,6 +164,7 @@ class JaggedEmbeddings:
     offsets: torch.Tensor
 
     def lengths(self) -> torch.Tensor:
+        """Rows per sample: ``[B]``."""
         return self.offsets[1:] - self.offsets[:-1]
 
 
@@ -179,6 +187,7 @@ def pool(
 
 
 def offsets_of(lengths_B: torch.Tensor) -> torch.Tensor:
+    """``[0, cumsum(lengths)]``: ``[B+1]`` of ``lengths``' dtype and device."""
     offsets = lengths_B.new_zeros(lengths_B.numel() + 1)
     offsets[1:] = torch.cumsum(lengths_B, 0)
     return offsets

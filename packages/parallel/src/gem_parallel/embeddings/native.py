@@ -78,6 +78,7 @@ class TableLayout:
     sharded_replicas: bool
 
     def shard_start(self, m: int, r: int) -> int:
+        """The first row of block ``m`` that replica ``r`` stores."""
         return m * self.block_rows + (r * self.shard_rows if self.sharded_replicas else 0)
 
 
@@ -121,37 +122,34 @@ class _GatheredBlock(torch.autograd.Function):
     """Forward: the gathered block; backward: reduce-scatter its gradient to the shard owners."""
 
     @staticmethod
-    def forward(ctx, shard, pending, group, scale, engine):
-        ctx.group, ctx.scale, ctx.engine = group, scale, engine
+    def forward(ctx, shard, pending, group, scale, engine, engines):
+        ctx.group, ctx.scale, ctx.engine, ctx.engines = group, scale, engine, engines
         return pending.wait()
 
     @staticmethod
     def backward(ctx, grad_block):
         grad = collectives.reduce_scatter(
-            grad_block.contiguous(), group=ctx.group, engine=ctx.engine
+            grad_block.contiguous(), group=ctx.group, engine=ctx.engine, engines=ctx.engines
         )
         if ctx.scale != 1.0:
             grad.mul_(ctx.scale)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class _ExchangeRows(torch.autograd.Function):
     """All-to-all of looked-up rows back to the asking ranks; backward returns the gradients."""
 
     @staticmethod
-    def forward(ctx, rows, send_splits, recv_splits, group, engine):
-        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.engine = (
-            send_splits,
-            recv_splits,
-            group,
-            engine,
-        )
+    def forward(ctx, rows, send_splits, recv_splits, group, engine, engines):
+        ctx.send_splits, ctx.recv_splits = send_splits, recv_splits
+        ctx.group, ctx.engine, ctx.engines = group, engine, engines
         return collectives.all_to_all(
             rows,
             group=group,
             input_split_sizes=send_splits,
             output_split_sizes=recv_splits,
             engine=engine,
+            engines=engines,
         )
 
     @staticmethod
@@ -162,12 +160,17 @@ class _ExchangeRows(torch.autograd.Function):
             input_split_sizes=ctx.recv_splits,
             output_split_sizes=ctx.send_splits,
             engine=ctx.engine,
+            engines=ctx.engines,
         )
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 class ShardedEmbeddingTables(nn.Module):
-    """The native back end of ``shard_embeddings``; see the module docstring for the algorithm."""
+    """The native back end of ``shard_embeddings``; see the module docstring for the algorithm.
+
+    ``engines`` keeps the copy engines' workspaces for this module's groups (a new
+    ``collectives.CopyEngines`` when not given, as ``self.copy_engines``).
+    """
 
     def __init__(
         self,
@@ -177,11 +180,13 @@ class ShardedEmbeddingTables(nn.Module):
         replica_group: dist.ProcessGroup | None,
         config: ShardingConfig,
         device: torch.device | str | None = None,
+        engines: collectives.CopyEngines | None = None,
     ):
         super().__init__()
         self.tables: list[TableConfig] = list(source.tables)
         self.pooling = source.pooling
         self.config = config
+        self.copy_engines = engines if engines is not None else collectives.CopyEngines()
         self.mp_group, self.replica_group = model_parallel_group, replica_group
         self.M, self.m = model_parallel_group.size(), model_parallel_group.rank()
         self.R = replica_group.size() if replica_group is not None else 1
@@ -244,7 +249,12 @@ class ShardedEmbeddingTables(nn.Module):
     def _start_gather(self, table: TableConfig) -> _PendingGather:
         shard = self.shards[table.name].detach()
         output, work = collectives.all_gather(
-            shard, group=self.replica_group, engine=self.config.engine, overlap=True, async_op=True
+            shard,
+            group=self.replica_group,
+            engine=self.config.engine,
+            overlap=True,
+            async_op=True,
+            engines=self.copy_engines,
         )
         return _PendingGather(output, work, self.live_gathered)
 
@@ -259,6 +269,7 @@ class ShardedEmbeddingTables(nn.Module):
             self.replica_group,
             self._grad_scale,
             self.config.engine,
+            self.copy_engines,
         )
 
     def _lookup(
@@ -282,19 +293,22 @@ class ShardedEmbeddingTables(nn.Module):
             input_split_sizes=send_counts,
             output_split_sizes=recv_counts,
             engine=self.config.engine,
+            engines=self.copy_engines,
         )
         if self.fully_sharded and self.config.prefetch and i + 1 < len(self.tables):
             pending[i + 1] = self._start_gather(self.tables[i + 1])
         weight = self._block_weight(i, pending)
         rows = F.embedding(asked - self.m * layout.block_rows, weight)
         answered = _ExchangeRows.apply(
-            rows, recv_counts, send_counts, self.mp_group, self.config.engine
+            rows, recv_counts, send_counts, self.mp_group, self.config.engine, self.copy_engines
         )
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return answered[inverse]
 
     def forward(self, features):
+        """As ``EmbeddingTables.forward``: the same inputs, the same output types; every rank of
+        both groups must call it (it runs collectives)."""
         parsed = split_features(
             features, expected=[f for t in self.tables for f in t.feature_names]
         )

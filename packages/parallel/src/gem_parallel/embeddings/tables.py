@@ -47,6 +47,8 @@ class TableConfig:
 
 
 def check_tables(tables: list[TableConfig], pooling: str) -> None:
+    """``ValueError`` for an unknown pooling, no tables, repeated table names, or a feature key
+    that more than one table looks up."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     if not tables:
@@ -89,7 +91,18 @@ def lookup_output(
 
 
 class EmbeddingTables(nn.Module):
-    """Unsharded embedding tables: ``forward(kjt)`` looks up and pools every feature."""
+    """Unsharded embedding tables: ``forward(kjt)`` looks up and pools every feature.
+
+    Args:
+        tables: ``TableConfig(name, num_embeddings, embedding_dim, feature_names)`` each.
+        pooling: ``"sum"`` / ``"mean"`` (an EmbeddingBagCollection: ``PooledEmbeddings``) or
+            ``"none"`` (an EmbeddingCollection: ``{feature: JaggedEmbeddings}``).
+        device, dtype, generator: where and how the weights (``N(0, 1/dim)``) are made.
+        validate_ids: check every id lies in its table (one host sync per table).
+        fused_optimizer: a ``RowwiseAdagrad`` to train the rows inside the lookups' backward.
+
+    ``ValueError`` from ``check_tables``; ``TypeError`` for a fused optimizer of another type.
+    """
 
     def __init__(
         self,
@@ -146,9 +159,14 @@ class EmbeddingTables(nn.Module):
 
     @property
     def feature_names(self) -> list[str]:
+        """Every feature key the tables look up, table by table."""
         return [f for t in self.tables for f in t.feature_names]
 
     def forward(self, features):
+        """Look up ``features`` (a ``KeyedJaggedTensor`` or ``KeyedJagged`` holding exactly
+        ``feature_names``): ``PooledEmbeddings`` ``[B, Σ dims]`` when pooled, else
+        ``{feature: JaggedEmbeddings [T, dim]}``. ``ValueError`` for missing or extra keys, or an
+        id out of range (with ``validate_ids``)."""
         parsed = split_features(features, expected=self.feature_names)
         if self.validate_ids:  # one host sync per table: skip it where ids were checked upstream
             for table in self.tables:

@@ -93,6 +93,7 @@ class TorchrecShardedEmbeddings(nn.Module):
         self.pooled = pooled
 
     def forward(self, features):
+        """As ``EmbeddingTables.forward``: the same inputs, the same output types."""
         torchrec = _import_torchrec()
         if not isinstance(features, torchrec.KeyedJaggedTensor):
             features = torchrec.KeyedJaggedTensor(
@@ -114,6 +115,9 @@ def shard_with_torchrec(
     fully_sharded: bool,
     device: torch.device,
 ) -> TorchrecShardedEmbeddings:
+    """``shard_embeddings``' torchrec back end: ``DMPCollection`` row-wise over
+    ``model_parallel_group`` (fully sharded replicas when asked). ``ValueError`` off CUDA;
+    ``ImportError`` without torchrec."""
     if device.type != "cuda":
         raise ValueError(
             f"backend='torchrec' shards with DMPCollection, which runs on CUDA only; got device "

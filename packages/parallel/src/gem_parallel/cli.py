@@ -1,7 +1,7 @@
-"""Command line of the planner.
+"""Command line of the planner: ``python -m gem_parallel.cli``.
 
-    python -m gem_parallel.plan --gpus 16384 --gpus-per-host 8 --hosts-per-zone 16 --model gem-large
-    python -m gem_parallel.plan --gpus 64 --model my_model.json --json
+    python -m gem_parallel.cli --gpus 16384 --gpus-per-host 8 --hosts-per-zone 16 --model gem-large
+    python -m gem_parallel.cli --gpus 64 --model my_model.json --json
 
 Prints the chosen meshes, the memory per GPU, the estimated step time per collective and tier,
 and whether the plan keeps GEM's placement rules (and, when not, which term decided). ``--json``
@@ -19,6 +19,8 @@ from gem_parallel.topology import TIER_NAMES, Topology
 
 
 def format_plan(p: Plan) -> str:
+    """A plan as the command line prints it: model, cluster, meshes, memory per GPU by part, the
+    step time with one row per collective and tier, and GEM's rules (kept, or broken and why)."""
     lines = [
         f"model    {p.spec.describe()}",
         f"cluster  {p.topology.describe()}",
@@ -54,8 +56,11 @@ def format_plan(p: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), plan and print; returns the exit status: 0, or 2
+    with a message on stderr when the request is impossible (the message names the smallest
+    change that fits). Bad flags exit through argparse (status 2)."""
     parser = argparse.ArgumentParser(
-        prog="python -m gem_parallel.plan", description=__doc__.split("\n")[0]
+        prog="python -m gem_parallel.cli", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpus-per-host", type=int, default=8)

@@ -1,8 +1,8 @@
-"""Planning one local batch: which pooled samples leave now, so the batch costs what every rank aims at.
+"""Composing one local batch: which pooled samples leave now, so the batch costs what every rank aims at.
 
 Each rank sees only its own stream, yet every rank's step should cost the same. The shuffler
 holds a pool of samples (the batch being formed, the look-ahead, and samples held back from
-earlier batches) and asks the planner for ``count`` of them whose total cost lands on a
+earlier batches) and asks ``plan_local_batch`` for ``count`` of them whose total cost lands on a
 ``target``. The targets of all ranks agree without talking because they come from the same
 quantity: the expected cost of a sample (``mean_cost``), which every rank estimates from the same
 length distribution or receives from a shared calibration.
@@ -29,7 +29,8 @@ length distribution or receives from a shared calibration.
        search over sorted costs) move the total onto the target; with hundreds of candidates the
        residual is usually a few parts per million.
 
-Everything is numpy over at most a few thousand floats: well under 5 ms per 1024-sample batch.
+Everything is numpy over at most a few thousand floats, so composing a batch costs far less
+than the step it feeds.
 """
 
 import numpy as np
@@ -46,7 +47,13 @@ def batch_target(
     headroom: float,
     gain: float,
 ) -> float:
-    """Cost the next batch of ``count`` samples should have (see the module docstring)."""
+    """Cost the next batch of ``count`` samples should have (see the module docstring).
+
+    ``mean_cost`` is the expected cost of a sample, ``pool_cost`` / ``pool_count`` the total cost
+    and the number of the samples pooled, ``headroom`` the clip (a fraction of the neutral
+    target, either side) and ``gain`` the share of the pool's excess the target moves by.
+    Returns ``count · mean_cost + gain · excess`` clipped to ``(1 ± headroom)`` of neutral.
+    """
     neutral = count * mean_cost
     excess = pool_cost - pool_count * mean_cost
     return float(
@@ -66,6 +73,9 @@ def deadline_floor(
     cost evenly over the ``j + 1`` batches, for every ``j`` up to ``max_delay``. When a pool has
     piled up heavy samples this raises the current batch a little instead of overshooting one
     batch a lot; in a healthy pool it stays far below the target.
+
+    ``costs`` (float ``[pool]``) and ``natural_batch`` (int ``[pool]``) describe the pooled
+    samples; returns the floor as a float (0.0 when nothing is due).
     """
     floor = 0.0
     order = np.argsort(costs, kind="stable")
@@ -97,6 +107,24 @@ def plan_local_batch(
     batch it would belong to without shuffling). Every sample with
     ``natural_batch <= step - max_delay`` is included; with ``lookahead``, no sample with
     ``natural_batch > step + lookahead`` is (a sub-batch may straddle the read horizon).
+
+    Args:
+        costs: float ``[pool]``, each pooled sample's cost.
+        natural_batch: int ``[pool]``, each pooled sample's natural batch.
+        step: the batch being formed.
+        count: how many samples it takes (0 ≤ count ≤ pool).
+        target: the cost to land on (``batch_target``, raised to ``deadline_floor``).
+        max_delay: how many batches late a sample may leave.
+        lookahead: how many batches early a sample may leave (None: any).
+        swap_rounds: the most best-pair swaps tried.
+
+    Returns:
+        int64 ``[count]`` indices into the pool: the forced samples first, then the chosen ones.
+
+    Raises:
+        ValueError: ``costs`` and ``natural_batch`` not 1-D of one length, ``count`` out of range,
+            more samples at their delay limit than ``count``, or fewer eligible samples than
+            ``count``.
     """
     costs = np.asarray(costs, dtype=np.float64)
     natural_batch = np.asarray(natural_batch, dtype=np.int64)

@@ -1,9 +1,9 @@
-"""The planner: forced samples, exact counts, targets hit, the look-ahead respected."""
+"""Composing a local batch: forced samples, exact counts, targets hit, the look-ahead respected."""
 
 import numpy as np
 import pytest
 from gem_loadbalance import batch_target, plan_local_batch
-from gem_loadbalance.planner import deadline_floor
+from gem_loadbalance.local_batch import deadline_floor
 from hypothesis import given
 from hypothesis import strategies as st
 
