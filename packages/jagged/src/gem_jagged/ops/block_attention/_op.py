@@ -3,11 +3,10 @@ and the eager path of the Triton backend.
 
 Both backends sit behind the same ops, so ``torch.compile(fullgraph=True)`` sees one opaque node
 whose output has the shape of ``q``; the backward op returns gradients with respect to the
-un-rotated q and k. Outside tracing the Triton backend runs through
-``BlockAttentionTritonFunction``: the same launchers under a plain ``autograd.Function``, which
-spares the custom ops' eager dispatch (about 1 ms of host time per forward + backward measured
-on an H200 host, twice the kernels' time on J5) and hands the forward's block table to the
-backward.
+un-rotated q and k. Eager calls of the Triton backend run through
+``BlockAttentionTritonFunction`` where ``gem_jagged._dispatch`` allows it: the same launchers
+under a plain ``autograd.Function``, which spares the custom ops' eager dispatch and takes its
+block table from the caller's ``JaggedBatch``.
 """
 
 import torch
@@ -82,9 +81,10 @@ class BlockAttentionTritonFunction(torch.autograd.Function):
     """Eager Triton path: the launchers behind autograd, without the custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, block_size, causal, rope_theta, scale):
+    def forward(ctx, q, k, v, batch, block_size, causal, rope_theta, scale):
         options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
-        table = kernels.block_table(offsets, block_size)
+        offsets = batch.offsets
+        table = kernels.batch_block_table(batch, block_size)
         out = kernels.block_attention_forward(q, k, v, offsets, block_ends_B=table, **options)
         ctx.save_for_backward(q, k, v, offsets, table)
         ctx.options = options
