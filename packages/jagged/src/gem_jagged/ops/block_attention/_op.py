@@ -11,6 +11,8 @@ block table from the caller's ``JaggedBatch``.
 
 import torch
 
+from gem_jagged._flops import block_pairs, register_attention_formulas
+
 from . import reference
 from . import triton as kernels
 
@@ -75,6 +77,23 @@ def _backward(ctx, grad_out):
 
 
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pairs(q, offsets, block_size, causal):
+    pairs = block_pairs(offsets, block_size=block_size, causal=causal, total=q.shape[0])
+    return pairs, q.shape[1], q.shape[2]
+
+
+register_attention_formulas(
+    torch.ops.gem_jagged.block_attention,
+    torch.ops.gem_jagged.block_attention_backward,
+    forward_pairs=lambda q, k, v, offsets, block_size, causal, *_: _pairs(
+        q, offsets, block_size, causal
+    ),
+    backward_pairs=lambda g, q, k, v, offsets, block_size, causal, *_: _pairs(
+        q, offsets, block_size, causal
+    ),
+)
 
 
 class BlockAttentionTritonFunction(torch.autograd.Function):

@@ -15,6 +15,7 @@ hands the forward's query list to the backward.
 
 import torch
 
+from gem_jagged._flops import attention_pairs, register_attention_formulas
 from gem_jagged.batch import JaggedBatch
 
 from . import reference
@@ -118,6 +119,30 @@ def _backward(ctx, grad_out):
 
 
 gdpa_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pairs(q, k, q_offsets, kv_offsets, causal, broadcast_q):
+    if broadcast_q:  # every sequence's keys against the S shared seeds
+        seeds = torch.arange(kv_offsets.shape[0], device="cpu", dtype=torch.int64) * q.shape[0]
+        q_offsets, total_q = seeds, q.shape[0] * (kv_offsets.shape[0] - 1)
+    else:
+        total_q = q.shape[0]
+    pairs = attention_pairs(
+        q_offsets, kv_offsets, causal=causal, total_q=total_q, total_kv=k.shape[0]
+    )
+    return pairs, q.shape[1], q.shape[2]
+
+
+register_attention_formulas(
+    torch.ops.gem_jagged.gdpa,
+    torch.ops.gem_jagged.gdpa_backward,
+    forward_pairs=lambda q, k, v, q_off, kv_off, bias, act, causal, scale, out_scale, bq, *_: (
+        _pairs(q, k, q_off, kv_off, causal, bq)
+    ),
+    backward_pairs=lambda g, q, k, v, q_off, kv_off, bias, act, causal, scale, o_s, bq, *_: (
+        _pairs(q, k, q_off, kv_off, causal, bq)
+    ),
+)
 
 
 class GdpaTritonFunction(torch.autograd.Function):

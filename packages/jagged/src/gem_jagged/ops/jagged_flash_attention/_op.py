@@ -22,6 +22,7 @@ descriptors for the backward's launches.
 
 import torch
 
+from gem_jagged._flops import attention_pairs, register_attention_formulas
 from gem_jagged.batch import JaggedBatch
 
 from .reference import jagged_flash_attention_reference, jagged_flash_attention_reference_backward
@@ -131,6 +132,25 @@ def _backward(ctx, dout, _dlse, _dwork):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pairs(q, k, q_offsets, kv_offsets, causal):
+    pairs = attention_pairs(
+        q_offsets, kv_offsets, causal=causal, total_q=q.shape[0], total_kv=k.shape[0]
+    )
+    return pairs, q.shape[1], q.shape[2]
+
+
+register_attention_formulas(
+    torch.ops.gem_jagged.jagged_flash_attention_fwd,
+    torch.ops.gem_jagged.jagged_flash_attention_bwd,
+    forward_pairs=lambda q, k, v, q_off, kv_off, rel_bias, causal, *_: _pairs(
+        q, k, q_off, kv_off, causal
+    ),
+    backward_pairs=lambda dout, q, k, v, out, lse, work, q_off, kv_off, rel_bias, causal, *_: (
+        _pairs(q, k, q_off, kv_off, causal)
+    ),
+)
 
 
 class _TritonAttention(torch.autograd.Function):
