@@ -149,6 +149,30 @@ class JaggedBatch:
         batch._memo = {}
         return batch
 
+    def with_queries(self, q_offsets: torch.Tensor) -> "JaggedBatch":
+        """A cross-attention batch: queries described by ``q_offsets`` (checked where they lie:
+        free on the CPU, from where they are moved to this batch's device), keys and values by
+        this batch's (query-side) sequences, whose check is not repeated. For candidates
+        attending over a history, say."""
+        if isinstance(q_offsets, torch.Tensor) and q_offsets.device.type == "cpu":
+            checked = JaggedBatch(q_offsets)
+            q_copy, q_range = checked.offsets.to(self.device), checked.length_range
+        else:
+            q_copy, q_range = _own_copy("q_offsets", q_offsets, validate=True)
+        if q_copy.shape != self.offsets.shape:
+            raise ValueError(
+                f"q_offsets has {q_copy.shape[0] - 1} sequences but the batch has "
+                f"{self.num_seqs}; they must match"
+            )
+        batch = JaggedBatch.__new__(JaggedBatch)
+        batch.offsets, batch.length_range = q_copy, q_range
+        batch.kv_offsets, batch.kv_length_range = self.offsets, self.length_range
+        batch.num_seqs = self.num_seqs
+        batch.max_len = q_range.longest if q_range is not None else None
+        batch.max_kv_len = self.max_len
+        batch._memo = {}
+        return batch
+
     @property
     def total(self) -> int | None:
         """Query tokens (``offsets[-1]``) where the values were read, else None."""
