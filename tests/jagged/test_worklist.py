@@ -146,46 +146,6 @@ def test_building_the_list_needs_no_host_sync():
             torch.cuda.set_sync_debug_mode("default")
 
 
-def test_cached_lists_are_reused_per_offsets_and_rebuilt_after_in_place_change():
-    off = offsets_from_lengths([40, 3, 17])
-    first = query_tiles(off, total_q=60, block=16, causal=True, cache=True)
-    assert query_tiles(off, total_q=60, block=16, causal=True, cache=True) is first
-    assert query_tiles(off, total_q=60, block=16, causal=False, cache=True) is not first
-    assert query_tiles(off, total_q=60, block=16, causal=True) is not first  # cache=False
-    keys = key_tiles(off, total_kv=60, block=16, split_rows=16, max_splits=2, cache=True)
-    assert key_tiles(off, total_kv=60, block=16, split_rows=16, max_splits=2, cache=True) is keys
-    # The same lengths in another tensor get their own list; an in-place change rebuilds.
-    other = offsets_from_lengths([40, 3, 17])
-    assert query_tiles(other, total_q=60, block=16, causal=True, cache=True) is not first
-    off.copy_(offsets_from_lengths([3, 40, 17]))
-    rebuilt = query_tiles(off, total_q=60, block=16, causal=True, cache=True)
-    assert rebuilt is not first
-    assert _items(rebuilt)[0] == _expected_query_tiles([3, 40, 17], [3, 40, 17], 16, True)
-    with torch.inference_mode():  # lists built there could not be saved for a backward pass
-        assert query_tiles(off, total_q=60, block=16, causal=True, cache=True) is not rebuilt
-    size = len(_worklist._CACHE)
-    del off, first, rebuilt, keys
-    assert len(_worklist._CACHE) < size  # entries of a dead offsets tensor are dropped
-
-
-@pytest.mark.gpu
-def test_capture_neither_reads_nor_fills_the_cache():
-    off = offsets_from_lengths([5, 300, 17], device="cuda")
-    eager = query_tiles(off, total_q=322, block=128, causal=True, cache=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        captured = query_tiles(off, total_q=322, block=128, causal=True, cache=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    assert captured is not eager
-    assert query_tiles(off, total_q=322, block=128, causal=True, cache=True) is eager
-    off.copy_(offsets_from_lengths([300, 5, 17], device="cuda"))  # the next batch, same tensor
-    graph.replay()
-    torch.cuda.synchronize()
-    assert _items(captured)[0] == _expected_query_tiles([300, 5, 17], [300, 5, 17], 128, True)
-
-
 def test_a_packed_list_must_be_a_contiguous_5_by_w_tensor():
     """Kernels read field f of slot w at ``packed[f * W + w]``: anything else is refused."""
     work = query_tiles(offsets_from_lengths([5, 40]), total_q=45, block=16)

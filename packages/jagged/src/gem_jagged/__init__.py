@@ -9,10 +9,12 @@ kernel (``backend="auto"`` takes Triton on CUDA tensors, the reference on CPU te
   for self-attention, cross-attention over short K/V, and PMA pooling with shared seeds.
 - ``block_attention``: softmax attention inside fixed blocks of tokens with fused RoPE.
 
-Jagged tensors follow torchrec: ``values [T, ...]`` plus ``offsets [B+1]``. The ops check the
-offsets' values once per tensor (a host sync on CUDA); ``offsets_to_device`` checks host offsets
-on the host as it moves them, so the ops need not. The ops are imported
-on first use, so ``import gem_jagged`` stays cheap and does not import triton.
+Jagged tensors follow torchrec: ``values [T, ...]`` plus ``offsets [B+1]``. What is known about
+one batch's offsets (checked values, the range of lengths, each op's tile work lists) lives in a
+``JaggedBatch`` that the model builds once per batch and passes to every call in place of the
+offsets tensor (``gem_jagged.batch``); ``JaggedBatch.from_host`` checks host offsets on the
+host as it moves them. The ops are imported on first use, so ``import gem_jagged`` stays cheap
+and does not import triton.
 """
 
 import importlib
@@ -21,7 +23,7 @@ _OPS = {
     "jagged_flash_attention": "gem_jagged.ops.jagged_flash_attention",
     "gdpa": "gem_jagged.ops.gdpa",
     "block_attention": "gem_jagged.ops.block_attention",
-    "offsets_to_device": "gem_jagged._checks",
+    "JaggedBatch": "gem_jagged.batch",
 }
 
 __all__ = list(_OPS)

@@ -1,20 +1,13 @@
 """Input validation shared by the jagged ops.
 
 Every public op calls these before choosing a backend, so a bad argument fails the same way on
-every backend, with a message that names the argument and says what was expected.
-
-Offsets values (start at 0, never decrease, end at the token count) can only be read on the host.
-On CUDA that costs one device-to-host copy and a synchronisation, so it is paid once per offsets
-tensor: a tensor that passed is remembered (by identity and version counter, so an in-place
-change is checked again) and the layers of a model that share one batch's offsets sync once, not
-once per call. The value checks are skipped inside CUDA-graph capture and under
-``torch.compile`` tracing; the shape, dtype and device checks always run. A pipeline that builds
-offsets on the host can check them there for free and move them with ``offsets_to_device``,
-which remembers the copy as checked: no synchronisation at all.
+every backend, with a message that names the argument and says what was expected. Offsets values
+can only be read on the host (a synchronisation on CUDA); ``gem_jagged.batch.JaggedBatch`` reads
+them once per batch, and the ops compare what it read with their tensors' token counts.
 """
 
 import functools
-import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -84,26 +77,24 @@ def building_a_graph() -> bool:
     return torch.compiler.is_compiling() or capturing_cuda_graph()
 
 
-def check_offsets(
-    name: str,
-    offsets: torch.Tensor,
-    *,
-    total: int,
-    device: torch.device,
-    validate_values: bool | None = None,
-) -> None:
-    """Check a jagged ``offsets [B+1]`` tensor against ``total`` tokens.
+class LengthRange(NamedTuple):
+    """What a host read of valid offsets shows: the shortest and longest sequence and the
+    token count (``offsets[-1]``)."""
 
-    Structure (1-D, integer dtype, at least one entry, right device) is always checked. Values
-    (starts at 0, never decreases, ends at ``total``) are checked on CPU tensors always and on CUDA
-    tensors unless ``validate_values=False`` or a graph is being captured or traced. CUDA offsets
-    that passed both and have not changed since return at once (only their device is compared).
+    shortest: int
+    longest: int
+    total: int
+
+
+def check_offsets(name: str, offsets: torch.Tensor, *, validate_values: bool) -> LengthRange | None:
+    """Check a jagged ``offsets [B+1]`` tensor.
+
+    Structure (a 1-D int32/int64 tensor with at least one entry) is always checked. With
+    ``validate_values`` the values are read on the host (a synchronisation on CUDA) and checked
+    to start at 0 and never decrease; the returned ``LengthRange`` says what they hold. Without,
+    None. Strided offsets are accepted here: ``JaggedBatch`` keeps a contiguous copy, which is
+    what the kernels read.
     """
-    # Passed every check below before, and unchanged since: return at once (cheap, per call).
-    # Not while tracing: a graph cannot guard on the version counter.
-    if not torch.compiler.is_compiling() and _already_checked(offsets, total):
-        if offsets.device == device:
-            return
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1:
@@ -112,12 +103,8 @@ def check_offsets(
         raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.numel() < 1:
         raise ValueError(f"{name} must hold at least one entry (offsets[0] = 0), got none")
-    if offsets.device != device:
-        raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
-    if validate_values is None:
-        validate_values = not building_a_graph()
     if not validate_values:
-        return
+        return None
     host = offsets.detach().to("cpu", torch.int64)
     if host[0].item() != 0:
         raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
@@ -128,89 +115,17 @@ def check_offsets(
             f"{name} must be non-decreasing, but {name}[{i + 1}] = {host[i + 1].item()} "
             f"< {name}[{i}] = {host[i].item()}"
         )
-    if host[-1].item() != total:
-        raise ValueError(f"{name}[-1] = {host[-1].item()} must equal the number of tokens {total}")
-    if offsets.device.type == "cuda" and not offsets.is_inference():
-        # (inference tensors track no version: they are checked each call)
-        _remember_checked(offsets, total, _length_range(steps))
+    if steps.numel() == 0:
+        return LengthRange(0, 0, 0)
+    return LengthRange(int(steps.min()), int(steps.max()), int(host[-1]))
 
 
-def offsets_to_device(
-    offsets: torch.Tensor, device: torch.device | str, *, non_blocking: bool = False
-) -> torch.Tensor:
-    """Check host ``offsets [B+1]`` on the host and copy them to ``device``, remembered as
-    checked: the jagged ops then skip their own value check of the copy, which on CUDA costs a
-    device-to-host copy and a synchronisation. For data pipelines that build offsets on the
-    host, as most do. The values must end at the token count the ops are given
-    (``offsets[-1]``); anything else is checked again, and fails, at the op.
-    """
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.device.type != "cpu":
+def check_tokens(name: str, known: LengthRange | None, tokens: int, *, values: str) -> None:
+    """The offsets must end at the token count of the values they describe (where known)."""
+    if known is not None and known.total != tokens:
         raise ValueError(
-            f"offsets must be on the CPU (the check is free there), got {offsets.device}"
+            f"{name}[-1] = {known.total} must equal the number of tokens of {values} ({tokens})"
         )
-    # the ops' own check, on the host: the total is whatever the offsets end at (the op
-    # compares it with its token count when it meets the copy)
-    total = int(offsets[-1]) if offsets.dim() == 1 and offsets.numel() > 0 else 0
-    check_offsets("offsets", offsets, total=total, device=offsets.device)
-    moved = offsets.to(device, non_blocking=non_blocking)
-    if moved.device.type == "cuda" and not moved.is_inference():
-        _remember_checked(moved, total, _length_range(offsets.to(torch.int64).diff()))
-    return moved
-
-
-# id(offsets) -> (weak reference, version counter, token total, (shortest, longest) sequence)
-# of CUDA offsets that passed.
-_CHECKED: dict[int, tuple[weakref.ref, int, int, tuple[int, int]]] = {}
-
-
-def _length_range(lengths: torch.Tensor) -> tuple[int, int]:
-    if lengths.numel() == 0:
-        return (0, 0)
-    return (int(lengths.min()), int(lengths.max()))
-
-
-def _live_entry(offsets: torch.Tensor):
-    entry = _CHECKED.get(id(offsets))
-    if entry is None or entry[0]() is not offsets or entry[1] != offsets._version:
-        return None
-    return entry
-
-
-def _already_checked(offsets: torch.Tensor, total: int) -> bool:
-    entry = _live_entry(offsets)
-    return entry is not None and entry[2] == total
-
-
-def checked_length_range(offsets: torch.Tensor) -> tuple[int, int] | None:
-    """``(shortest, longest)`` sequence of CUDA offsets whose values were checked on the host
-    and not changed since; None when unknown (never checked, changed in place, or checked
-    inside a graph capture or trace, where nothing is read). Launchers use it to skip work
-    that no sequence needs, with no synchronisation of their own."""
-    if building_a_graph():
-        return None
-    entry = _live_entry(offsets)
-    return None if entry is None else entry[3]
-
-
-def keys_fit_one_tile(kv_offsets: torch.Tensor, block_n: int) -> bool:
-    """True when every sequence is known to have 1 to ``block_n`` keys: a dK/dV kernel whose
-    one key tile then holds all of a sequence's keys can write every dQ row, and the dQ kernel
-    would launch only to exit. Known from the host check of the offsets; unknown (inside a
-    graph capture, say) is False."""
-    lengths = checked_length_range(kv_offsets)
-    return lengths is not None and 1 <= lengths[0] and lengths[1] <= block_n
-
-
-def _remember_checked(offsets: torch.Tensor, total: int, length_range: tuple[int, int]) -> None:
-    key = id(offsets)
-    _CHECKED[key] = (
-        weakref.ref(offsets, lambda _: _CHECKED.pop(key, None)),
-        offsets._version,
-        total,
-        length_range,
-    )
 
 
 def check_rel_bias(rel_bias: torch.Tensor | None, *, num_heads: int, like: torch.Tensor) -> None:

@@ -43,17 +43,10 @@ past ``_RANK_MAX_SLOTS`` a sort takes over), and the running sums (tiles per seq
 per key tile) are one single-program kernel each: a list is three launches and three allocations
 (five of each with split key tiles), the rest of its cost is on the device.
 
-Building a list costs a few launches of host time, which matters when the kernels are short (a
-forward + backward step of a small batch is host-bound). With ``cache=True`` a list is remembered
-per offsets tensor, by identity and version counter as ``gem_jagged._checks`` remembers validated
-offsets: the layers of a model that share one batch's offsets, and the backward pass after the
-forward, build each list once. The memory is dropped when an offsets tensor dies, and an in-place
-change of the offsets (which bumps the version) builds the list again. Inside CUDA-graph capture
-the cache is neither read nor written: a captured graph must rebuild the list from the offsets'
-contents at each replay (the usual pattern copies the next batch into static offsets), and a
-list built during capture holds no values until the graph runs. Writes to the offsets that
-bypass PyTorch's version counter (a custom kernel writing into them) are not seen: pass
-``cache=False`` there.
+Building a list costs a few launches of host time, which matters when the kernels are short. The
+ops therefore keep the lists they build in the batch's ``gem_jagged.batch.JaggedBatch``: the
+layers of a model that share one batch, and the backward pass after the forward, build each list
+once, and the lists go with the batch.
 
 Each item is ``(seq, start, lo, hi)``: the sequence, the first row of the tile on the tiled side,
 and the half-open range ``[lo, hi)`` of rows on the other side to visit (``lo`` aligned down to
@@ -61,17 +54,15 @@ and the half-open range ``[lo, hi)`` of rows on the other side to visit (``lo`` 
 """
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
-from gem_jagged._checks import capturing_cuda_graph
 from gem_jagged._intmath import cdiv
 from gem_jagged._jit import jit
 
-__all__ = ["TileWorkList", "query_tiles", "key_tiles", "tile_slot_bound", "clear_cache"]
+__all__ = ["TileWorkList", "query_tiles", "key_tiles", "tile_slot_bound"]
 
 
 @dataclass(frozen=True)
@@ -359,51 +350,6 @@ def _sorted(fields_FW, cost_W, block) -> TileWorkList:
     return TileWorkList(out_5W, block)
 
 
-# (kind, id(tiled offsets), id(other offsets), stream, options) -> (weak refs, versions, list)
-_CACHE: dict[tuple, tuple[weakref.ref, weakref.ref, int, int, TileWorkList]] = {}
-
-
-def clear_cache() -> None:
-    """Forget every remembered work list (they are rebuilt on the next call)."""
-    _CACHE.clear()
-
-
-def _cacheable(*offsets: torch.Tensor) -> bool:
-    # Inference tensors track no version, and a list built under inference mode could not be
-    # saved for a later backward pass.
-    if torch.is_inference_mode_enabled() or any(t.is_inference() for t in offsets):
-        return False
-    return not capturing_cuda_graph()
-
-
-def _remembered(kind: str, tiled: torch.Tensor, other: torch.Tensor, options: tuple, build):
-    """``build()``, or the list it returned before for these very offsets (see the docstring)."""
-    if not _cacheable(tiled, other):
-        return build()
-    # The raw stream handle: ``torch.cuda.current_stream()`` builds a Stream object, 25 us of
-    # host time per call on an H200 host.
-    stream = torch._C._cuda_getCurrentRawStream(tiled.device.index) if tiled.is_cuda else 0
-    key = (kind, id(tiled), id(other), stream, options)
-    entry = _CACHE.get(key)
-    if (
-        entry is not None
-        and entry[0]() is tiled
-        and entry[1]() is other
-        and entry[2] == tiled._version
-        and entry[3] == other._version
-    ):
-        return entry[4]
-    work = build()
-
-    def forget(_, key=key):
-        _CACHE.pop(key, None)
-
-    _CACHE[key] = (
-        weakref.ref(tiled, forget), weakref.ref(other, forget), tiled._version, other._version, work
-    )  # fmt: skip
-    return work
-
-
 def query_tiles(
     q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor | None = None,
@@ -411,25 +357,17 @@ def query_tiles(
     total_q: int,
     block: int,
     causal: bool = False,
-    cache: bool = False,
 ) -> TileWorkList:
     """Query tiles of ``block`` rows, each with the key range ``[0, hi)`` it must visit.
 
     ``total_q`` is the host-known number of query tokens (``q.shape[0]``). With ``causal`` the
-    key range ends just after the bottom-right diagonal of the tile's last row. ``cache``
-    remembers the list per offsets tensor (module docstring).
+    key range ends just after the bottom-right diagonal of the tile's last row.
     """
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-
-    def build():
-        fields_FW, cost_W = _tile_slots(
-            q_offsets, kv_offsets, total=total_q, block=block, causal=causal, key_tiles_=False
-        )
-        return _sorted(fields_FW, cost_W, block)
-
-    if not cache:
-        return build()
-    return _remembered("q", q_offsets, kv_offsets, (total_q, block, causal), build)
+    fields_FW, cost_W = _tile_slots(
+        q_offsets, kv_offsets, total=total_q, block=block, causal=causal, key_tiles_=False
+    )
+    return _sorted(fields_FW, cost_W, block)
 
 
 def key_tiles(
@@ -442,7 +380,6 @@ def key_tiles(
     align: int = 1,
     split_rows: int | None = None,
     max_splits: int = 1,
-    cache: bool = False,
 ) -> TileWorkList:
     """Key tiles of ``block`` rows, each with the query range ``[lo, hi)`` that can see it.
 
@@ -451,19 +388,13 @@ def key_tiles(
     down to ``align``. With ``split_rows`` a tile whose query range is longer than that is split
     into ``min(max_splits, cdiv(range, split_rows))`` chunks of whole ``align`` blocks. A tile
     seen by no query still gets one (empty) item, so that its dK/dV rows are written.
-    ``cache`` remembers the list per offsets tensor (module docstring).
     """
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     if split_rows is None or max_splits <= 1:
         split_rows, max_splits = 1 << 30, 1
-    options = (total_kv, block, causal, align, split_rows, max_splits)
-
-    def build():
-        return _build_key_tiles(q_offsets, kv_offsets, *options)
-
-    if not cache:
-        return build()
-    return _remembered("k", kv_offsets, q_offsets, options, build)
+    return _build_key_tiles(
+        q_offsets, kv_offsets, total_kv, block, causal, align, split_rows, max_splits
+    )
 
 
 def _build_key_tiles(q_offsets, kv_offsets, total_kv, block, causal, align, split_rows, max_splits):

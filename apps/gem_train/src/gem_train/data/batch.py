@@ -12,13 +12,17 @@ four sequence features per token, pooled user and candidate-ad features per samp
 | ``segments``, ``segment_offsets`` | [S], [B+1] int64 | the user's segments (a bag) |
 | ``ad``, ``ad_category``, ``advertiser`` | [B] int64 | the candidate ad |
 | ``click``, ``conversion`` | [B] float32 | labels (CTR and CVR tasks) |
+
+A batch moved to a device also carries ``layout``, the ``gem_jagged.JaggedBatch`` of its history
+offsets, checked on the host as they move: every attention layer shares its checks and work
+lists, and no step reads offsets back from the GPU.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
-from gem_jagged import offsets_to_device
+from gem_jagged import JaggedBatch
 
 SEQUENCE_FEATURES = ("item", "action", "category", "time_bucket")
 CANDIDATE_FEATURES = ("ad", "ad_category", "advertiser")
@@ -51,6 +55,7 @@ class Batch:
     advertiser: torch.Tensor
     click: torch.Tensor
     conversion: torch.Tensor
+    layout: JaggedBatch | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -64,20 +69,23 @@ class Batch:
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor field by name (``layout`` is derived, not a field of the data)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layout"}
+
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        """The batch on ``device``. History offsets built on the host are checked there as they
-        move (``gem_jagged.offsets_to_device``), so the attention ops need not read them back
-        from the GPU (a synchronisation per step)."""
+        """The batch on ``device``, with its ``layout``. History offsets built on the host are
+        checked there as they move (``JaggedBatch.from_host``), so the attention ops need not
+        read them back from the GPU (a synchronisation per step)."""
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-            for f in fields(self)
-            if f.name != "offsets"
+            name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors().items()
         }
         if self.offsets.device.type == "cpu":
-            moved["offsets"] = offsets_to_device(self.offsets, device, non_blocking=non_blocking)
+            layout = JaggedBatch.from_host(self.offsets, device=device, non_blocking=non_blocking)
         else:
-            moved["offsets"] = self.offsets.to(device, non_blocking=non_blocking)
-        return Batch(**moved)
+            layout = JaggedBatch(moved["offsets"])
+        moved["offsets"] = layout.offsets
+        return Batch(**moved, layout=layout)
 
     def padded(self, *, token_multiple: int, sample_multiple: int = 16) -> "Batch":
         """This batch followed by dummy samples (ids 0, labels 0, no segments) so that the token
@@ -108,7 +116,7 @@ class Batch:
         return Batch.cat([self, dummy])
 
     def pin_memory(self) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return Batch(**{name: t.pin_memory() for name, t in self.tensors().items()})
 
     def select(self, index) -> "Batch":
         """The samples ``index`` (in that order) as a new batch."""
@@ -137,7 +145,7 @@ class Batch:
         data = {
             f.name: torch.cat([getattr(b, f.name) for b in batches])
             for f in fields(Batch)
-            if f.name not in ("offsets", "segment_offsets")
+            if f.name not in ("offsets", "segment_offsets", "layout")
         }
         return Batch(offsets=_offsets(lengths), segment_offsets=_offsets(seg_lengths), **data)
 

@@ -7,6 +7,9 @@
   softmax; ``gem_jagged.gdpa(..., broadcast_q=True)``), giving ``S`` pooled vectors per sample.
 - ``CandidateCrossAttention``: the candidate ad's tokens attend over the history with GDPA.
 
+Each takes the history's ``gem_jagged.JaggedBatch`` (``layout``): the jagged ops share its checks
+and work lists; the padded forms read its offsets.
+
 The ``padded`` form is what the model looks like built from PyTorch-native pieces: pad every
 history to the batch's longest, then ``scaled_dot_product_attention`` with an additive mask (the
 causal mask plus the relative bias), or the GDPA formula on padded tensors. It computes the same
@@ -91,32 +94,23 @@ class HistorySelfAttention(nn.Module):
             nn.Parameter(torch.zeros(n_heads, 2 * rel_bias_radius + 1)) if kind != "block" else None
         )
 
-    def forward(self, x_TD: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, layout, max_len: int) -> torch.Tensor:
         total = x_TD.shape[0]
         q, k, v = self.qkv(x_TD).view(total, 3, self.n_heads, self.head_dim).unbind(1)
         if self.kind == "jagged":
-            o = _op("jagged_flash_attention")(
-                q,
-                k,
-                v,
-                offsets,
-                causal=True,
-                rel_bias=self.rel_bias,
-                max_q_len=max_len,
-                max_kv_len=max_len,
-            )
+            o = _op("jagged_flash_attention")(q, k, v, layout, causal=True, rel_bias=self.rel_bias)
         elif self.kind == "block":
             o = _op("block_attention")(
                 q,
                 k,
                 v,
-                offsets,
+                layout,
                 block_size=self.block_size,
                 causal=True,
                 rope_theta=self.rope_theta,
             )
         else:
-            o = self._padded(q, k, v, offsets, max_len)
+            o = self._padded(q, k, v, layout.offsets, max_len)
         return self.out(o.reshape(total, -1))
 
     def _padded(self, q, k, v, offsets, max_len):
@@ -182,12 +176,13 @@ class PMAPooling(nn.Module):
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.norm = RMSNorm(d_model)
 
-    def forward(self, x_TD, offsets, max_len):
+    def forward(self, x_TD, layout, max_len):
         k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
-        batch = offsets.numel() - 1
+        offsets = layout.offsets
+        batch = layout.num_seqs
         q = self.seed_q.to(k.dtype)
         if self.kind == "jagged":
-            o = _op("gdpa")(q, k, v, offsets, offsets, activation="silu", broadcast_q=True)
+            o = _op("gdpa")(q, k, v, layout, activation="silu", broadcast_q=True)
         else:
             (k_B, valid_BL), (v_B, _) = pad(k, offsets, max_len), pad(v, offsets, max_len)
             q_B = q[None].expand(batch, -1, -1, -1)
@@ -216,26 +211,19 @@ class CandidateCrossAttention(nn.Module):
         self.kv = nn.Linear(d_model, 2 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.norm = RMSNorm(d_model)
-        self._offsets_cache: dict[tuple, torch.Tensor] = {}
 
-    def _q_offsets(self, batch: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
-        """``[0, C, 2C, ...]``, one tensor per batch size: gem_jagged checks the values of offsets
-        on the device once per tensor (a host sync), so a fresh tensor each step would sync."""
-        key = (batch, tokens, like.device, like.dtype)
-        if key not in self._offsets_cache:
-            self._offsets_cache[key] = (
-                torch.arange(batch + 1, device=like.device, dtype=like.dtype) * tokens
-            )
-        return self._offsets_cache[key]
-
-    def forward(self, cand_BCD, x_TD, offsets, max_len):
+    def forward(self, cand_BCD, x_TD, layout, max_len):
         batch, tokens, d = cand_BCD.shape
         q = self.q(cand_BCD).view(batch * tokens, self.n_heads, self.head_dim)
         k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
+        offsets = layout.offsets
         if self.kind == "jagged":
-            o = _op("gdpa")(
-                q, k, v, self._q_offsets(batch, tokens, offsets), offsets, activation="silu"
+            # [0, C, 2C, ...] built and checked on the host: no synchronisation
+            candidates = layout.memo(
+                ("candidates", tokens),
+                lambda: layout.with_queries(torch.arange(batch + 1, dtype=offsets.dtype) * tokens),
             )
+            o = _op("gdpa")(q, k, v, candidates, activation="silu")
         else:
             (k_B, valid_BL), (v_B, _) = pad(k, offsets, max_len), pad(v, offsets, max_len)
             q_B = q.view(batch, tokens, self.n_heads, self.head_dim)

@@ -57,6 +57,7 @@ class Block(nn.Module):
             )  # fmt: skip
         )
 
-    def forward(self, x_TD: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
-        x_TD = x_TD + self.attn(self.attn_norm(x_TD), offsets, max_len)
+    def forward(self, x_TD: torch.Tensor, layout, max_len: int) -> torch.Tensor:
+        """``layout``: the history's ``gem_jagged.JaggedBatch``."""
+        x_TD = x_TD + self.attn(self.attn_norm(x_TD), layout, max_len)
         return x_TD + self.ffn(self.ffn_norm(x_TD))

@@ -24,6 +24,7 @@ unit). The model itself holds no parallelism.
 
 import torch
 import torch.nn.functional as F
+from gem_jagged import JaggedBatch
 from torch import nn
 
 from gem_train.config import ModelConfig
@@ -89,16 +90,17 @@ class DenseTower(nn.Module):
         self.cross = CandidateCrossAttention(d, m.n_heads, kind=m.pooling_attention)
         self.interaction = Interaction(m, m.pma_seeds * d + n_cand * d + n_cand * e + 2 * e)
 
-    def forward(self, seq: dict, pooled: dict, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Logits ``[B, len(TASKS)]`` (a fresh tensor, not a view: FSDP hooks its output)."""
+    def forward(self, seq: dict, pooled: dict, layout: JaggedBatch, max_len: int) -> torch.Tensor:
+        """Logits ``[B, len(TASKS)]`` (a fresh tensor, not a view: FSDP hooks its output).
+        ``layout`` is the history's ``JaggedBatch``, shared by every attention layer."""
         history = torch.cat([seq[f] for f in SEQUENCE_FEATURES], dim=-1)  # [T, 4E]
         candidate = torch.stack([seq[f] for f in CANDIDATE_FEATURES], dim=1)  # [B, C, E]
         x, cand = self.inputs(history, candidate)
         for block in self.blocks:
-            x = block(x, offsets, max_len)
+            x = block(x, layout, max_len)
         x = self.final_norm(x)
-        pma = self.pma(x, offsets, max_len)  # [B, S, D]
-        cross = self.cross(cand, x, offsets, max_len)  # [B, C, D]
+        pma = self.pma(x, layout, max_len)  # [B, S, D]
+        cross = self.cross(cand, x, layout, max_len)  # [B, C, D]
         features = torch.cat(
             [
                 pma.flatten(1),
@@ -144,7 +146,10 @@ class GemModel(nn.Module):
         if max_len is None:
             max_len = int(batch.lengths.max()) if batch.num_samples else 0
         seq, pooled = self.embed(batch)
-        logits = self.dense(seq, pooled, batch.offsets, max_len)
+        layout = batch.layout
+        if layout is None:  # a batch that was not moved with Batch.to: check it here
+            layout = JaggedBatch(batch.offsets, max_len=max_len)
+        logits = self.dense(seq, pooled, layout, max_len)
         return {task: logits[:, i] for i, task in enumerate(TASKS)}
 
 

@@ -12,7 +12,9 @@ import math
 
 import torch
 
-from ..._checks import check_head_dim, check_offsets, check_same, check_values, resolve_backend
+from ..._checks import check_head_dim, check_same, check_tokens, check_values, resolve_backend
+from ..._dispatch import custom_op_required
+from ...batch import JaggedBatch, as_batch
 from ._op import BlockAttentionTritonFunction, block_attention_op
 
 __all__ = ["block_attention"]
@@ -25,7 +27,7 @@ def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor | JaggedBatch,
     *,
     block_size: int = 64,
     causal: bool = True,
@@ -33,10 +35,25 @@ def block_attention(
     scale: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Block-local softmax attention; output ``[T, N, H]``. ``scale`` defaults to ``1/sqrt(H)``.
+    """Block-local softmax attention over jagged sequences.
 
-    ``block_size`` is at most 128 tokens (the whole block's scores stay on chip), 64 for fp32
-    inputs on the Triton backend.
+    Args:
+        q, k, v: ``[T, N, H]`` float tensors of one dtype and device; H in {32, 64, 128}.
+        offsets: ``[B+1]`` int32/int64 offsets, or a self-attention ``JaggedBatch``.
+        block_size: tokens per block, counted from each sequence's start; 1 to 128 (the whole
+            block's scores stay on chip), at most 64 for fp32 inputs on the Triton backend.
+        causal: a token sees only the tokens of its block up to itself.
+        rope_theta: rotary embedding base (> 1), applied to q and k inside the kernel from
+            each token's position in its sequence; None for no rotation.
+        scale: score scale, default ``1/sqrt(H)``.
+        backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
+
+    Returns:
+        ``[T, N, H]`` in q's dtype; gradients are with respect to the un-rotated q and k.
+
+    Raises:
+        TypeError / ValueError naming the argument for bad types, shapes, block sizes,
+        ``rope_theta`` values or offsets.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)
@@ -53,7 +70,12 @@ def block_attention(
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     if rope_theta is not None and not (math.isfinite(rope_theta) and rope_theta > 1.0):
         raise ValueError(f"rope_theta must be a finite number > 1 (e.g. 10000.0), got {rope_theta}")
-    check_offsets("offsets", offsets, total=q.shape[0], device=q.device)
+    batch = as_batch(offsets)
+    if not batch.is_self_attention:
+        raise ValueError("block_attention is self-attention: pass a JaggedBatch without kv_offsets")
+    if batch.device != q.device:
+        raise ValueError(f"offsets is on {batch.device} but q is on {q.device}")
+    check_tokens("offsets", batch.length_range, q.shape[0], values="q")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
     if backend == "triton" and q.dtype == torch.float32 and block_size > MAX_FP32_BLOCK_SIZE:
@@ -63,10 +85,10 @@ def block_attention(
             f"memory (an H200 has 227 KiB); use bf16/fp16 inputs or backend='reference'"
         )
     rope_theta = None if rope_theta is None else float(rope_theta)
-    if backend == "triton" and not torch.compiler.is_compiling():
+    if backend == "triton" and not custom_op_required(q, k, v):
         return BlockAttentionTritonFunction.apply(
-            q, k, v, offsets, block_size, bool(causal), rope_theta, scale
+            q, k, v, batch, block_size, bool(causal), rope_theta, scale
         )
     return block_attention_op(
-        q, k, v, offsets, block_size, bool(causal), rope_theta, scale, backend
+        q, k, v, batch.offsets, block_size, bool(causal), rope_theta, scale, backend
     )

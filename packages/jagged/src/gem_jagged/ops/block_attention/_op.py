@@ -3,14 +3,15 @@ and the eager path of the Triton backend.
 
 Both backends sit behind the same ops, so ``torch.compile(fullgraph=True)`` sees one opaque node
 whose output has the shape of ``q``; the backward op returns gradients with respect to the
-un-rotated q and k. Outside tracing the Triton backend runs through
-``BlockAttentionTritonFunction``: the same launchers under a plain ``autograd.Function``, which
-spares the custom ops' eager dispatch (about 1 ms of host time per forward + backward measured
-on an H200 host, twice the kernels' time on J5) and hands the forward's block table to the
-backward.
+un-rotated q and k. Eager calls of the Triton backend run through
+``BlockAttentionTritonFunction`` where ``gem_jagged._dispatch`` allows it: the same launchers
+under a plain ``autograd.Function``, which spares the custom ops' eager dispatch and takes its
+block table from the caller's ``JaggedBatch``.
 """
 
 import torch
+
+from gem_jagged._flops import block_pairs, register_attention_formulas
 
 from . import reference
 from . import triton as kernels
@@ -78,13 +79,31 @@ def _backward(ctx, grad_out):
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _pairs(q, offsets, block_size, causal):
+    pairs = block_pairs(offsets, block_size=block_size, causal=causal, total=q.shape[0])
+    return pairs, q.shape[1], q.shape[2]
+
+
+register_attention_formulas(
+    torch.ops.gem_jagged.block_attention,
+    torch.ops.gem_jagged.block_attention_backward,
+    forward_pairs=lambda q, k, v, offsets, block_size, causal, *_: _pairs(
+        q, offsets, block_size, causal
+    ),
+    backward_pairs=lambda g, q, k, v, offsets, block_size, causal, *_: _pairs(
+        q, offsets, block_size, causal
+    ),
+)
+
+
 class BlockAttentionTritonFunction(torch.autograd.Function):
     """Eager Triton path: the launchers behind autograd, without the custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, block_size, causal, rope_theta, scale):
+    def forward(ctx, q, k, v, batch, block_size, causal, rope_theta, scale):
         options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
-        table = kernels.block_table(offsets, block_size)
+        offsets = batch.offsets
+        table = kernels.batch_block_table(batch, block_size)
         out = kernels.block_attention_forward(q, k, v, offsets, block_ends_B=table, **options)
         ctx.save_for_backward(q, k, v, offsets, table)
         ctx.options = options

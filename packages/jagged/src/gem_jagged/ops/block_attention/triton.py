@@ -20,8 +20,8 @@ sequence of ``L`` tokens has ``cdiv(L, block_size)`` blocks). The grid is sized 
 shapes, ``cdiv(T, block_size) + B`` (an upper bound on the blocks), so the launch needs no host
 synchronisation; program ``w`` counts the sequences whose blocks end at or before ``w`` (one
 vector load per 256 sequences), which is its sequence, and programs past the last block exit.
-All blocks cost about the same, so there is nothing to sort. The table is cached per offsets
-tensor and handed from the forward to the backward, so an eager training step issues the two
+All blocks cost about the same, so there is nothing to sort. The table is kept in the batch's
+``JaggedBatch`` and handed from the forward to the backward, so an eager training step issues the two
 attention kernels and nothing else.
 """
 
@@ -33,8 +33,6 @@ import triton.language as tl
 
 from gem_jagged._intmath import cdiv, next_power_of_2
 from gem_jagged._jit import jit
-
-from ..gdpa._offsets_cache import OffsetsCache
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -215,19 +213,23 @@ def default_launch(block: int, head_dim: int) -> BlockLaunch:
 
 _SEARCH = 256  # sequences per vector load of the block search
 _TABLE_CHUNK = 1024  # sequences per step of the table kernel
-_BLOCK_TABLES = OffsetsCache()
 
 
 def block_table(offsets_Bp1: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``block_ends_B`` (int32) of ``offsets_Bp1``, built once per offsets tensor and block size."""
+    """``block_ends_B`` (int32): the running count of blocks of each sequence of
+    ``offsets_Bp1``, the table the kernels search for their block's sequence."""
+    num_seqs = offsets_Bp1.numel() - 1
+    block_ends_B = torch.empty(max(num_seqs, 1), dtype=torch.int32, device=offsets_Bp1.device)
+    _block_ends_kernel[(1,)](offsets_Bp1, block_ends_B, num_seqs, block_size, _TABLE_CHUNK)
+    return block_ends_B
 
-    def build():
-        num_seqs = offsets_Bp1.numel() - 1
-        block_ends_B = torch.empty(max(num_seqs, 1), dtype=torch.int32, device=offsets_Bp1.device)
-        _block_ends_kernel[(1,)](offsets_Bp1, block_ends_B, num_seqs, block_size, _TABLE_CHUNK)
-        return block_ends_B
 
-    return _BLOCK_TABLES.get((offsets_Bp1,), (block_size,), build)
+def batch_block_table(batch, block_size: int) -> torch.Tensor:
+    """``block_table`` of a ``JaggedBatch``, built at its first use and kept in the batch."""
+    return batch.memo(
+        ("block_attention.block_table", block_size),
+        lambda: block_table(batch.offsets, block_size),
+    )
 
 
 def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B):

@@ -10,6 +10,11 @@ pointwise activation instead of softmax. Three shapes of use:
   sequence, ``q_offsets`` is ignored (it may be None) and the output is ``[B·S, N, H]``,
   ``S`` rows per sequence of ``kv_offsets``.
 
+``q_offsets`` may be a ``gem_jagged.JaggedBatch`` (``kv_offsets`` then stays None): for self-
+and cross-attention its two sides are the query and key sequences; for PMA its key/value side
+describes the sequences (a self-attention batch of the history serves). The batch's checks,
+length range and work lists are shared by every call that gets it (``gem_jagged.batch``).
+
 ``rel_bias [N, 2R+1]`` adds ``rel_bias[n, clamp(j − i, −R, R) + R]`` to each score (``i`` is the
 query's position in its sequence, or the seed index for PMA) and receives a gradient.
 """
@@ -20,12 +25,14 @@ import torch
 
 from ..._checks import (
     check_head_dim,
-    check_offsets,
     check_rel_bias,
     check_same,
+    check_tokens,
     check_values,
     resolve_backend,
 )
+from ..._dispatch import custom_op_required
+from ...batch import JaggedBatch, as_batch
 from ._op import GdpaTritonFunction, gdpa_op
 from .reference import ACTIVATIONS
 
@@ -36,7 +43,7 @@ def gdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_offsets: torch.Tensor | None,
+    q_offsets: torch.Tensor | JaggedBatch | None,
     kv_offsets: torch.Tensor | None = None,
     *,
     activation: str = "silu",
@@ -47,10 +54,28 @@ def gdpa(
     rel_bias: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Generalized dot-product attention; see the module docstring for the shapes.
+    """Generalized dot-product attention, ``out_scale · (act(scale·QKᵀ + bias) ⊙ mask) V``.
 
-    ``scale`` defaults to ``1/sqrt(H)``. ``kv_offsets=None`` means self-attention (``k, v`` share
-    the query offsets). ``backend="auto"`` runs Triton on CUDA tensors, the reference on the CPU.
+    Args:
+        q: ``[Tq, N, H]`` queries, or ``[S, N, H]`` shared seeds with ``broadcast_q``.
+        k, v: ``[Tk, N, H]`` keys and values (q's dtype and device); H in {32, 64, 128}.
+        q_offsets: ``[B+1]`` int32/int64 query offsets, a ``JaggedBatch``, or None with
+            ``broadcast_q`` (ignored there unless it is a batch).
+        kv_offsets: ``[B+1]`` key offsets (cross-attention, PMA), or None for self-attention.
+        activation: one of ``ACTIVATIONS``.
+        causal: mask aligned bottom-right, as for the softmax op.
+        scale: score scale, default ``1/sqrt(H)``; ``out_scale`` multiplies the output.
+        broadcast_q: PMA: every sequence attends with the same ``S`` seeds; output
+            ``[B·S, N, H]``.
+        rel_bias: ``[N, 2R+1]`` learned relative bias (it receives a gradient).
+        backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
+
+    Returns:
+        ``[Tq, N, H]`` (``[B·S, N, H]`` with ``broadcast_q``) in q's dtype.
+
+    Raises:
+        TypeError / ValueError naming the argument for bad types, shapes, activations or
+        offsets.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)
@@ -70,42 +95,45 @@ def gdpa(
         )
     check_head_dim("q", q.shape[2])
     if broadcast_q:
-        if kv_offsets is None:
+        if isinstance(q_offsets, JaggedBatch):
+            batch = q_offsets
+            if kv_offsets is not None:
+                raise ValueError("pass kv_offsets=None when q_offsets is a JaggedBatch")
+        elif kv_offsets is None:
             raise ValueError(
                 "broadcast_q=True (PMA) needs kv_offsets, the [B+1] offsets of the key/value "
                 "sequences; q holds the shared seeds and q_offsets is ignored"
             )
-        check_offsets("kv_offsets", kv_offsets, total=k.shape[0], device=q.device)
-        q_offsets = kv_offsets
+        else:
+            batch = as_batch(kv_offsets)
+        check_tokens("kv_offsets", batch.kv_length_range, k.shape[0], values="k")
+        q_offsets_t = kv_offsets_t = batch.kv_offsets
         is_cross = True
     else:
         if q_offsets is None:
             raise ValueError("q_offsets is required unless broadcast_q=True")
-        check_offsets("q_offsets", q_offsets, total=q.shape[0], device=q.device)
-        is_cross = kv_offsets is not None
-        if kv_offsets is None:
-            if k.shape[0] != q.shape[0]:
-                raise ValueError(
-                    f"self-attention (kv_offsets=None) needs k and v with the {q.shape[0]} "
-                    f"query tokens, got {k.shape[0]}; pass kv_offsets for cross-attention"
-                )
-            kv_offsets = q_offsets
-        else:
-            check_offsets("kv_offsets", kv_offsets, total=k.shape[0], device=q.device)
-            if kv_offsets.shape[0] != q_offsets.shape[0]:
-                raise ValueError(
-                    f"q_offsets and kv_offsets must describe the same number of sequences, got "
-                    f"{q_offsets.shape[0] - 1} and {kv_offsets.shape[0] - 1}"
-                )
+        batch = as_batch(q_offsets, kv_offsets)
+        check_tokens("q_offsets", batch.length_range, q.shape[0], values="q")
+        is_cross = not batch.is_self_attention
+        if is_cross:
+            check_tokens("kv_offsets", batch.kv_length_range, k.shape[0], values="k")
+        elif k.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"self-attention (kv_offsets=None) needs k and v with the {q.shape[0]} "
+                f"query tokens, got {k.shape[0]}; pass kv_offsets for cross-attention"
+            )
+        q_offsets_t, kv_offsets_t = batch.offsets, batch.kv_offsets
+    if batch.device != q.device:
+        raise ValueError(f"the offsets are on {batch.device} but q is on {q.device}")
     check_rel_bias(rel_bias, num_heads=q.shape[1], like=q)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
-    if backend == "triton" and not torch.compiler.is_compiling():
+    if backend == "triton" and not custom_op_required(q, k, v, rel_bias):
         return GdpaTritonFunction.apply(
-            q, k, v, q_offsets, kv_offsets, rel_bias, activation, bool(causal), scale,
+            q, k, v, batch, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
             float(out_scale), bool(broadcast_q), is_cross,
         )  # fmt: skip
     return gdpa_op(
-        q, k, v, q_offsets, kv_offsets, rel_bias, activation, bool(causal), scale,
+        q, k, v, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
         float(out_scale), bool(broadcast_q), is_cross, backend,
     )  # fmt: skip

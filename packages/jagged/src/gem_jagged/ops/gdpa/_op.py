@@ -6,15 +6,17 @@ concrete ``scale``) so that the ops see tensors, plain scalars and a backend nam
 backends run behind the same ops, so ``torch.compile(fullgraph=True)`` traces either one as a
 single opaque node with a known output shape.
 
-Outside tracing, the Triton backend runs through ``GdpaTritonFunction`` instead: the same
-launchers under a plain ``autograd.Function``. A custom op's eager dispatch (schema binding,
-default filling, redispatch through the autograd and backend keys, twice for forward and
-backward) measured about 1 ms of host time per forward + backward on an H200 host, more than
-the kernels of a cross-attention or PMA step take; the function also hands the forward's work
-list to the backward.
+Eager calls of the Triton backend run through ``GdpaTritonFunction`` instead where
+``gem_jagged._dispatch`` allows it: the same launchers under a plain ``autograd.Function``,
+which spares the custom op's eager dispatch (more host time than the kernels of a
+cross-attention or PMA step take), keeps its work lists in the caller's ``JaggedBatch`` and
+hands the forward's query list to the backward.
 """
 
 import torch
+
+from gem_jagged._flops import attention_pairs, register_attention_formulas
+from gem_jagged.batch import JaggedBatch
 
 from . import reference
 from . import triton as kernels
@@ -41,9 +43,11 @@ def gdpa_op(
         broadcast_q=broadcast_q,
     )  # fmt: skip
     if backend == "triton":
+        batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=None)
         return kernels.gdpa_forward(
-            q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross, **options
-        )
+            q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
+            batch=batch, **options,
+        )  # fmt: skip
     return reference.gdpa_reference(q, k, v, q_offsets, kv_offsets, rel_bias=rel_bias, **options)
 
 
@@ -77,9 +81,10 @@ def gdpa_backward_op(
         broadcast_q=broadcast_q,
     )  # fmt: skip
     if backend == "triton":
+        batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=None)
         dq, dk, dv, d_bias = kernels.gdpa_backward(
             grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
-            **options,
+            batch=batch, **options,
         )  # fmt: skip
     else:
         dq, dk, dv, d_bias = reference.gdpa_reference_backward(
@@ -116,21 +121,46 @@ def _backward(ctx, grad_out):
 gdpa_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _pairs(q, k, q_offsets, kv_offsets, causal, broadcast_q):
+    if broadcast_q:  # every sequence's keys against the S shared seeds
+        seeds = torch.arange(kv_offsets.shape[0], device="cpu", dtype=torch.int64) * q.shape[0]
+        q_offsets, total_q = seeds, q.shape[0] * (kv_offsets.shape[0] - 1)
+    else:
+        total_q = q.shape[0]
+    pairs = attention_pairs(
+        q_offsets, kv_offsets, causal=causal, total_q=total_q, total_kv=k.shape[0]
+    )
+    return pairs, q.shape[1], q.shape[2]
+
+
+register_attention_formulas(
+    torch.ops.gem_jagged.gdpa,
+    torch.ops.gem_jagged.gdpa_backward,
+    forward_pairs=lambda q, k, v, q_off, kv_off, bias, act, causal, scale, out_scale, bq, *_: (
+        _pairs(q, k, q_off, kv_off, causal, bq)
+    ),
+    backward_pairs=lambda g, q, k, v, q_off, kv_off, bias, act, causal, scale, o_s, bq, *_: (
+        _pairs(q, k, q_off, kv_off, causal, bq)
+    ),
+)
+
+
 class GdpaTritonFunction(torch.autograd.Function):
     """Eager Triton path: the launchers behind autograd, without the custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, kv_offsets, rel_bias, activation, causal, scale,
+    def forward(ctx, q, k, v, batch, q_offsets, kv_offsets, rel_bias, activation, causal, scale,
                 out_scale, broadcast_q, is_cross):  # fmt: skip
         options = dict(
             activation=activation, causal=causal, scale=scale, out_scale=out_scale,
             broadcast_q=broadcast_q, is_cross=is_cross,
         )  # fmt: skip
         out, work = kernels.gdpa_forward(
-            q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, return_work=True, **options
-        )
+            q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, return_work=True, batch=batch,
+            **options,
+        )  # fmt: skip
         ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, rel_bias)
-        ctx.options, ctx.work = options, work
+        ctx.options, ctx.work, ctx.batch = options, work, batch
         return out
 
     @staticmethod
@@ -139,6 +169,6 @@ class GdpaTritonFunction(torch.autograd.Function):
         q, k, v, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
         dq, dk, dv, d_bias = kernels.gdpa_backward(
             grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, query_work=ctx.work,
-            **ctx.options,
+            batch=ctx.batch, **ctx.options,
         )  # fmt: skip
-        return dq, dk, dv, None, None, d_bias, *([None] * 6)
+        return dq, dk, dv, None, None, None, d_bias, *([None] * 6)

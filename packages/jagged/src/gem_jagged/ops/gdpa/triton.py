@@ -38,7 +38,6 @@ from gem_jagged._intmath import cdiv, next_power_of_2
 from gem_jagged._jit import jit
 
 from ..._worklist import TileWorkList, key_tiles, query_tiles
-from ._offsets_cache import OffsetsCache
 
 # Activation cost: the special-function unit (MUFU: 16 results per clock per SM on Hopper) is as
 # scarce as the tensor cores here. A forward (query, key) pair costs 4·H = 512 matmul FLOPs, an
@@ -649,21 +648,17 @@ def _seed_offsets(kv_offsets: torch.Tensor, num_seeds: int) -> torch.Tensor:
     return torch.arange(batch + 1, device=kv_offsets.device, dtype=torch.int64) * num_seeds
 
 
-# Work lists of the self-attention (and work-list cross/PMA) schedule, per offsets tensor.
-_WORK_LISTS = OffsetsCache()
-
-
-def _query_work(q_offsets, kv_offsets, *, total_q, block, causal) -> TileWorkList:
-    return _WORK_LISTS.get(
-        (q_offsets, kv_offsets), ("query", total_q, block, causal),
+def _query_work(batch, q_offsets, kv_offsets, *, total_q, block, causal) -> TileWorkList:
+    return batch.memo(
+        ("gdpa.query_tiles", total_q, block, causal),
         lambda: query_tiles(q_offsets, kv_offsets, total_q=total_q, block=block, causal=causal),
-    )  # fmt: skip
+    )
 
 
-def _key_work(q_offsets, kv_offsets, *, total_kv, block, causal, align, split) -> TileWorkList:
+def _key_work(batch, q_offsets, kv_offsets, *, total_kv, block, causal, align, split):
     options = dict(split_rows=split[0], max_splits=split[1]) if split else {}
-    return _WORK_LISTS.get(
-        (q_offsets, kv_offsets), ("key", total_kv, block, causal, align, split),
+    return batch.memo(
+        ("gdpa.key_tiles", total_kv, block, causal, align, split),
         lambda: key_tiles(
             q_offsets, kv_offsets, total_kv=total_kv, block=block, causal=causal, align=align,
             **options,
@@ -671,9 +666,9 @@ def _key_work(q_offsets, kv_offsets, *, total_kv, block, causal, align, split) -
     )  # fmt: skip
 
 
-def _pma_key_work(kv_offsets, num_seeds, *, total_kv, block, causal, align) -> TileWorkList:
-    return _WORK_LISTS.get(
-        (kv_offsets,), ("pma", num_seeds, total_kv, block, causal, align),
+def _pma_key_work(batch, kv_offsets, num_seeds, *, total_kv, block, causal, align):
+    return batch.memo(
+        ("gdpa.pma_key_tiles", num_seeds, total_kv, block, causal, align),
         lambda: key_tiles(
             _seed_offsets(kv_offsets, num_seeds), kv_offsets, total_kv=total_kv, block=block,
             causal=causal, align=align,
@@ -683,10 +678,11 @@ def _pma_key_work(kv_offsets, num_seeds, *, total_kv, block, causal, align) -> T
 
 def gdpa_forward(
     q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
-    out_scale, broadcast_q, rel_bias_NB, is_cross, tiles: GdpaTiles | None = None,
+    out_scale, broadcast_q, rel_bias_NB, is_cross, batch, tiles: GdpaTiles | None = None,
     return_work: bool = False,
 ):  # fmt: skip
     """Launch the forward kernel; ``kv_offsets_Bp1`` is never None here (self: the q offsets).
+    ``batch`` (the ``JaggedBatch`` the offsets come from) keeps the work lists.
 
     With ``return_work`` returns ``(out, work)``: the query-tile work list of the self-attention
     schedule (``None`` for the others), which the backward's dQ kernel can reuse.
@@ -716,7 +712,7 @@ def gdpa_forward(
         out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
         seed_block = _seed_block(num_seeds)
         pma_work = _pma_key_work(
-            kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.pma_chunk,
+            batch, kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.pma_chunk,
             causal=causal, align=1,
         )  # fmt: skip
         grid = (pma_work.num_slots, num_heads, cdiv(num_seeds, seed_block))
@@ -729,8 +725,9 @@ def gdpa_forward(
             q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
         )
         work = _query_work(
-            q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.fwd_m, causal=causal
-        )
+            batch, q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.fwd_m,
+            causal=causal,
+        )  # fmt: skip
         grid = (work.num_slots, num_heads, 1)
         block_m, kv_chunk = tiles.fwd_m, tiles.fwd_n
         launch_work = work
@@ -748,7 +745,7 @@ def gdpa_forward(
 
 def gdpa_backward(
     do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
-    out_scale, broadcast_q, rel_bias_NB, is_cross, tiles: GdpaTiles | None = None,
+    out_scale, broadcast_q, rel_bias_NB, is_cross, batch, tiles: GdpaTiles | None = None,
     query_work: TileWorkList | None = None,
 ):  # fmt: skip
     """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``.
@@ -776,6 +773,7 @@ def gdpa_backward(
         dq, dk, dv, dbias = per_sequence.backward_per_sequence(
             do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale,
             out_scale, broadcast_q, has_bias, nb_pow2, tiles, common,
+            keys_fit_one_tile=batch.kv_lengths_known_within(1, tiles.dkdv_n),
         )  # fmt: skip
         d_rel_bias = dbias.sum(0)[:, :num_buckets].to(rel_bias_NB.dtype) if has_bias else None
         return dq.to(q_TNH.dtype), dk, dv, d_rel_bias
@@ -784,7 +782,7 @@ def gdpa_backward(
         block_m = _seed_block(num_seeds)
         dq = torch.zeros(q_TNH.shape, device=device, dtype=torch.float32)
         work = _pma_key_work(
-            kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
+            batch, kv_offsets_Bp1, num_seeds, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
             causal=causal, align=block_m,
         )  # fmt: skip
         q_offsets_Bp1 = _seed_offsets(kv_offsets_Bp1, num_seeds)
@@ -795,7 +793,7 @@ def gdpa_backward(
         dq = torch.empty_like(q_TNH)
         split = (tiles.cross_split_rows, tiles.cross_max_splits) if is_cross else None
         work = _key_work(
-            q_offsets_Bp1, kv_offsets_Bp1, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
+            batch, q_offsets_Bp1, kv_offsets_Bp1, total_kv=k_TNH.shape[0], block=tiles.dkdv_n,
             causal=causal, align=block_m, split=split,
         )  # fmt: skip
         atomic_kv = is_cross
@@ -821,7 +819,7 @@ def gdpa_backward(
     if not broadcast_q:
         if query_work is None or query_work.block != tiles.dq_m:
             query_work = _query_work(
-                q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.dq_m,
+                batch, q_offsets_Bp1, kv_offsets_Bp1, total_q=q_TNH.shape[0], block=tiles.dq_m,
                 causal=causal,
             )  # fmt: skip
         dbias = dq  # placeholder pointer without a bias

@@ -30,7 +30,6 @@ tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the wo
 import torch
 import triton.language as tl
 
-from gem_jagged._checks import keys_fit_one_tile
 from gem_jagged._jit import jit
 
 from .triton import (
@@ -320,9 +319,11 @@ def forward_per_sequence(
 
 def backward_per_sequence(
     do_TNH, q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, bias, radius, scale, out_scale,
-    broadcast_q, has_bias, nb_pow2, tiles, common,
+    broadcast_q, has_bias, nb_pow2, tiles, common, *, keys_fit_one_tile,
 ):  # fmt: skip
-    """``(dq, dk, dv, dbias [B·SPLIT, N, NB] or None)``; PMA's dq is fp32."""
+    """``(dq, dk, dv, dbias [B·SPLIT, N, NB] or None)``; PMA's dq is fp32.
+    ``keys_fit_one_tile``: every sequence is known to hold 1 to ``tiles.dkdv_n`` keys (the
+    dK/dV kernel then writes every dQ row and the dQ kernel is not launched)."""
     device = q_TNH.device
     num_heads = k_TNH.shape[1]
     batch = kv_offsets_Bp1.numel() - 1
@@ -353,7 +354,7 @@ def backward_per_sequence(
             BROADCAST_Q=broadcast_q, ATOMIC_KV=atomic_kv, BLOCK_M=block_m, BLOCK_N=tiles.dkdv_n,
             num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common,
         )  # fmt: skip
-        if not broadcast_q and not keys_fit_one_tile(kv_offsets_Bp1, tiles.dkdv_n):
+        if not broadcast_q and not keys_fit_one_tile:
             _gdpa_bwd_dq_seq_kernel[(batch, num_heads, split)](
                 q_TNH, k_TNH, v_TNH, do_TNH, dq, bias, dbias_arg, q_offsets_Bp1, kv_offsets_Bp1,
                 q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0), dq.stride(0),

@@ -11,11 +11,16 @@ launch hints (the backward pass uses ``max_q_len`` to size its split of long seq
 never truncate anything. Without the hint, an eager call takes the longest sequence from the
 offsets' host check when it ran (it does once per offsets tensor); otherwise the token count.
 
-``backend="auto"`` runs the Triton kernels (``triton.py``) on CUDA tensors and the PyTorch
-reference (``reference.py``) on CPU tensors. The op is a ``torch.library`` custom op with a fake
-implementation and autograd (``_op.py``), so ``torch.compile(fullgraph=True)`` traces it and CUDA
-graphs capture it (nothing in the Triton path synchronises with the host); plain eager calls of
-the Triton backend skip the custom-op machinery for the same kernels (``_op.py`` says when).
+``q_offsets`` may be a ``gem_jagged.JaggedBatch`` instead (``kv_offsets`` then stays None: the
+batch holds both sides): a model builds one per batch, and every call shares its checks, length
+range and work lists (``gem_jagged.batch``). A plain tensor gets a batch built for the call.
+
+``backend="auto"`` runs the Triton kernels (``triton.py``, and the Gluon kernels of ``hopper/``
+on sm_90) on CUDA tensors and the PyTorch reference (``reference.py``) on CPU tensors. The op is a
+``torch.library`` custom op with a fake implementation and autograd (``_op.py``), so
+``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it (nothing in the Triton
+path synchronises with the host); eager calls skip the custom-op machinery for the same kernels
+where nothing could observe the difference (``gem_jagged._dispatch``).
 """
 
 import math
@@ -24,34 +29,27 @@ import torch
 
 from gem_jagged._checks import (
     check_head_dim,
-    check_offsets,
     check_rel_bias,
     check_same,
+    check_tokens,
     check_values,
     resolve_backend,
 )
+from gem_jagged._dispatch import custom_op_required
+from gem_jagged.batch import JaggedBatch, as_batch
 
-from . import _op, _plan
+from . import _op
 
 __all__ = ["jagged_flash_attention"]
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_length_hint(name: str, value) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"{name} must be None or a non-negative int (a launch hint), got {value!r}"
-        )
-
-
 def jagged_flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_offsets: torch.Tensor,
+    q_offsets: torch.Tensor | JaggedBatch,
     kv_offsets: torch.Tensor | None = None,
     *,
     causal: bool = False,
@@ -61,18 +59,30 @@ def jagged_flash_attention(
     max_kv_len: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Softmax attention per jagged sequence; returns ``[Tq, N, H]`` (see the module docstring)."""
-    plan_key = _plan.key_of(
-        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-        hints=(max_q_len, max_kv_len), backend=backend,
-    )  # fmt: skip
-    plan = _plan.lookup(plan_key, q_offsets, kv_offsets)
-    if plan is not None:  # an earlier call with this key passed every check below
-        kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-        return _op.eager_triton_attention(
-            q, k, v, q_offsets, kv_offsets, None, plan.causal, plan.scale, max_q_len, plan=plan,
-            plan_key=plan_key,
-        )  # fmt: skip
+    """Softmax attention per jagged sequence.
+
+    Args:
+        q: ``[Tq, N, H]`` queries, float16/bfloat16/float32 (any float dtype on the reference
+            backend); H in {32, 64, 128}.
+        k, v: ``[Tk, N, H]`` keys and values, q's dtype and device.
+        q_offsets: ``[B+1]`` int32/int64 offsets of the query sequences, or a ``JaggedBatch``.
+        kv_offsets: ``[B+1]`` offsets of the key sequences (cross-attention), or None for
+            self-attention (``Tk = Tq``, the query offsets).
+        causal: mask aligned bottom-right: query i of Lq sees key j iff j ≤ i + Lk − Lq.
+        scale: score scale, default ``1/sqrt(H)``.
+        rel_bias: ``[N, 2R+1]`` learned bias added as ``rel_bias[n, clamp(j − i, −R, R) + R]``;
+            it receives a gradient.
+        max_q_len, max_kv_len: launch hints (longest sequences); never truncate anything. A
+            checked ``JaggedBatch`` knows them already.
+        backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
+
+    Returns:
+        ``[Tq, N, H]`` in q's dtype; a query row that sees no key is zeros.
+
+    Raises:
+        TypeError / ValueError naming the argument: wrong types, shapes, dtypes, devices,
+        unsupported head dims, offsets that are invalid or do not end at the token counts.
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_values(name, x)
     check_same([("q", q), ("k", k), ("v", v)])
@@ -85,24 +95,19 @@ def jagged_flash_attention(
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has head dim {k.shape[2]} but q has {q.shape[2]}; they must match")
     check_head_dim("q", q.shape[2])
-    check_offsets("q_offsets", q_offsets, total=q.shape[0], device=q.device)
-    if kv_offsets is None:
+    batch = as_batch(q_offsets, kv_offsets, max_len=max_q_len, max_kv_len=max_kv_len)
+    if batch.device != q.device:
+        raise ValueError(f"q_offsets is on {batch.device} but q is on {q.device}")
+    check_tokens("q_offsets", batch.length_range, q.shape[0], values="q")
+    if batch.is_self_attention:
         if k.shape[0] != q.shape[0]:
             raise ValueError(
                 f"kv_offsets=None means self-attention, but k has {k.shape[0]} tokens and q has "
                 f"{q.shape[0]}; pass kv_offsets for cross-attention"
             )
-        kv_offsets = q_offsets
     else:
-        check_offsets("kv_offsets", kv_offsets, total=k.shape[0], device=k.device)
-        if kv_offsets.shape != q_offsets.shape:
-            raise ValueError(
-                f"kv_offsets has {kv_offsets.shape[0] - 1} sequences but q_offsets has "
-                f"{q_offsets.shape[0] - 1}; they must match"
-            )
+        check_tokens("kv_offsets", batch.kv_length_range, k.shape[0], values="k")
     check_rel_bias(rel_bias, num_heads=q.shape[1], like=q)
-    _check_length_hint("max_q_len", max_q_len)
-    _check_length_hint("max_kv_len", max_kv_len)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[2])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -113,12 +118,12 @@ def jagged_flash_attention(
             f"q has dtype {q.dtype}; the triton backend supports {TRITON_DTYPES} "
             "(use backend='reference' for others)"
         )
-    if backend == "triton" and _op.eager_path_allowed(q, k, v, q_offsets, kv_offsets, rel_bias):
+    if backend == "triton" and not custom_op_required(q, k, v, rel_bias):
         return _op.eager_triton_attention(
-            q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len,
-            plan_key=plan_key,
-        )  # fmt: skip
+            q, k, v, batch, rel_bias, causal=bool(causal), scale=float(scale)
+        )
     out, _, _ = _op.attention_forward(
-        q, k, v, q_offsets, kv_offsets, rel_bias, bool(causal), float(scale), max_q_len, backend
-    )
+        q, k, v, batch.offsets, batch.kv_offsets, rel_bias, bool(causal), float(scale),
+        batch.max_len, backend,
+    )  # fmt: skip
     return out

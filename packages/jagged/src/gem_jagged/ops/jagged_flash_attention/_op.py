@@ -11,32 +11,22 @@ Two ops keep the kernels opaque to ``torch.compile`` while letting it trace thro
   the last one is an empty tensor (custom ops cannot return ``None``).
 
 Each op has a fake implementation (shapes only) for tracing, and the forward op's autograd
-formula calls the backward op. The ``backend`` argument picks the Triton kernels or the PyTorch
-reference; the reference's backward writes the gradient formulas out per sequence.
+formula calls the backward op. The ops take the offsets that a ``JaggedBatch`` owns (its private
+copies) and the batch's length hint, and rebuild a batch over them for the launchers.
 
-The eager fast path. Going through a Python custom op costs tens of microseconds of host time
-per call, twice per training step (the dispatcher's boxed call, the autograd wrapper, the
-compiler's ``disable`` guard), which is a visible share of a small batch's step. So eager calls
-of the Triton backend (``eager_triton_attention``) run the same kernels through a plain
-``torch.autograd.Function`` when nothing needs to see the op: not while ``torch.compile``
-traces (it must see the custom op), not under a ``TorchDispatchMode`` (selective activation
-checkpointing, FLOP counters and fake tensors identify the op by name), and only on plain
-tensors (a tensor subclass dispatches through the custom op).
-
-Launch plans (``_plan``) serve both: the fast path under the public function's key, and the
-custom ops' Triton implementations under a key of their own, since a graph compiled by
-``torch.compile`` calls the ops at every step with the same shapes and offsets. Without them
-the ops issued a J1 step in about 2 ms of host time against 0.9 ms of kernels, and the compiled
-step ran 0.66x FlexAttention (docs/performance.md, 2026-12-02, seventeenth session). The
-forward op returns a copy of the work list (the compiler owns the op's outputs; the list is
-the cache's), and the backward op leaves that copy out of what a plan keeps.
+Eager calls of the Triton backend take ``_TritonAttention``, a plain ``torch.autograd.Function``
+over the same launchers, where ``gem_jagged._dispatch`` allows it: it keeps the caller's
+``JaggedBatch`` (so its work lists serve every layer and the backward) and the forward's TMA
+descriptors for the backward's launches.
 """
 
 import torch
 
-from . import _plan
+from gem_jagged._flops import attention_pairs, register_attention_formulas
+from gem_jagged.batch import JaggedBatch
+
 from .reference import jagged_flash_attention_reference, jagged_flash_attention_reference_backward
-from .triton import RecordedBackward, forward_work_slots, jfa_backward, jfa_forward
+from .triton import forward_work_slots, jfa_backward, jfa_forward
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -57,12 +47,8 @@ def attention_forward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        key = _op_plan_key(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len)
-        out, lse, work = eager_forward(
-            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale,
-            plan=_plan.lookup(key, q_offsets, kv_offsets), plan_key=key,
-        )  # fmt: skip
-        return out, lse, work.clone()  # the compiler owns what the op returns, not the cache
+        batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=max_q_len)
+        return jfa_forward(q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias)
     with torch.no_grad():
         out, lse = jagged_flash_attention_reference(
             q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias
@@ -99,12 +85,10 @@ def attention_backward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        key = _op_plan_key(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len)
-        # A plan keeps the lists its launches read: the cache's, never the op's output ``work``
-        # (a compiler may reuse the memory of a saved tensor once the backward is done).
-        dq, dk, dv, dbias = planned_backward(
-            key, dout, q, k, v, out, lse, work if key is None else None, q_offsets, kv_offsets,
-            rel_bias, causal, scale, max_q_len,
+        batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=max_q_len)
+        dq, dk, dv, dbias = jfa_backward(
+            dout, q, k, v, out, lse, batch, causal=causal, scale=scale, rel_bias=rel_bias,
+            forward_work=work,
         )  # fmt: skip
     else:
         dq, dk, dv, dbias = jagged_flash_attention_reference_backward(
@@ -129,16 +113,6 @@ def _(
     )
 
 
-def _op_plan_key(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len):
-    """The launch-plan key of a call of the custom ops (``_plan.key_of``), apart from the
-    public function's keys: a compiled graph calls the ops, and its step is as host-bound as
-    an eager one."""
-    return _plan.key_of(
-        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-        hints=(max_q_len, "custom op"), backend="triton",
-    )  # fmt: skip
-
-
 def _setup_context(ctx, inputs, output):
     q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backend = inputs
     out, lse, work = output
@@ -160,101 +134,54 @@ def _backward(ctx, dout, _dlse, _dwork):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------------------------
-# Eager fast path (Triton backend, no tracing or dispatch mode): the same kernels, less host work
-# ----------------------------------------------------------------------------------------------
+def _pairs(q, k, q_offsets, kv_offsets, causal):
+    pairs = attention_pairs(
+        q_offsets, kv_offsets, causal=causal, total_q=q.shape[0], total_kv=k.shape[0]
+    )
+    return pairs, q.shape[1], q.shape[2]
 
 
-def eager_path_allowed(*tensors: torch.Tensor | None) -> bool:
-    """True when nothing would observe the custom op (see the module docstring)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+register_attention_formulas(
+    torch.ops.gem_jagged.jagged_flash_attention_fwd,
+    torch.ops.gem_jagged.jagged_flash_attention_bwd,
+    forward_pairs=lambda q, k, v, q_off, kv_off, rel_bias, causal, *_: _pairs(
+        q, k, q_off, kv_off, causal
+    ),
+    backward_pairs=lambda dout, q, k, v, out, lse, work, q_off, kv_off, rel_bias, causal, *_: (
+        _pairs(q, k, q_off, kv_off, causal)
+    ),
+)
 
 
 class _TritonAttention(torch.autograd.Function):
+    """The Triton launchers behind autograd, without the custom op (``gem_jagged._dispatch``)."""
+
     @staticmethod
-    def forward(
-        ctx, q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, plan, plan_key
-    ):
+    def forward(ctx, q, k, v, rel_bias, batch, causal, scale):
         ctx.descriptors = {}  # the forward's TMA descriptors, for the backward's launches
-        out, lse, work = eager_forward(
-            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, plan=plan,
-            plan_key=plan_key, descriptors=ctx.descriptors,
+        out, lse, work = jfa_forward(
+            q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias,
+            descriptors=ctx.descriptors,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias)
-        ctx.options = (causal, scale, max_q_len)
-        ctx.plan_key = plan_key
+        ctx.save_for_backward(q, k, v, out, lse, work, rel_bias)
+        ctx.batch, ctx.options = batch, (causal, scale)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
-        dq, dk, dv, dbias = planned_backward(
-            ctx.plan_key, dout, q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias,
-            *ctx.options, descriptors=ctx.descriptors,
+        q, k, v, out, lse, work, rel_bias = ctx.saved_tensors
+        causal, scale = ctx.options
+        dq, dk, dv, dbias = jfa_backward(
+            dout, q, k, v, out, lse, ctx.batch, causal=causal, scale=scale, rel_bias=rel_bias,
+            forward_work=work, descriptors=ctx.descriptors,
         )  # fmt: skip
-        return dq, dk, dv, None, None, dbias, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None
 
 
-def planned_backward(
-    key, dout, q, k, v, out, lse, work, q_offsets, kv_offsets, rel_bias, causal, scale,
-    max_q_len, *, descriptors=None,
-):  # fmt: skip
-    """``jfa_backward``'s ``(dq, dk, dv, d_rel_bias)``: through the backward plan of ``key``
-    (``_plan.BackwardPlan``) when there is one and it launches; otherwise the ordinary way,
-    recording a plan under ``key`` (if not None) when its launches allow one."""
-    plan = _plan.backward_plan(key, q_offsets, kv_offsets)
-    if plan is not None:
-        grads = plan.backward(dout, q, k, v, out, lse, q_offsets, kv_offsets)
-        if grads is not None:
-            return *grads, None
-    record = None if key is None else RecordedBackward()
-    grads = jfa_backward(
-        dout, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, scale=scale,
-        rel_bias=rel_bias, max_q_len=max_q_len, forward_work=work, descriptors=descriptors,
-        record=record,
-    )  # fmt: skip
-    if record is not None:
-        _plan.remember_backward(key, record, q, k, v, out, lse, q_offsets, kv_offsets)
-    return grads
-
-
-def eager_forward(
-    q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, *, plan, plan_key, descriptors=None
-):  # fmt: skip
-    """``(out, lse, work)``: through ``plan`` (``_plan.ForwardPlan``) when one is given and it
-    launches; otherwise through ``jfa_forward``, recording a plan under ``plan_key`` (if not
-    None) when its launch allows one."""
-    if plan is not None:
-        result = plan.forward(q, k, v)
-        if result is not None:
-            return result
-    recorded = [] if plan_key is not None else None
-    out, lse, work = jfa_forward(
-        q, k, v, q_offsets, kv_offsets, causal=causal, scale=scale, rel_bias=rel_bias,
-        descriptors=descriptors, record=recorded,
-    )  # fmt: skip
-    if recorded:
-        _plan.remember(
-            plan_key, recorded[0], out, lse, work, q_offsets, kv_offsets, causal=causal,
-            scale=scale,
-        )  # fmt: skip
-    return out, lse, work
-
-
-def eager_triton_attention(
-    q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, *, plan=None,
-    plan_key=None,
-):  # fmt: skip
-    """The Triton forward (with autograd when a gradient is wanted) without the custom op;
-    ``plan`` and ``plan_key`` as ``eager_forward`` takes them."""
+def eager_triton_attention(q, k, v, batch, rel_bias, *, causal, scale):
+    """The Triton forward (with autograd when a gradient is wanted) without the custom op."""
     inputs = (q, k, v) if rel_bias is None else (q, k, v, rel_bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return _TritonAttention.apply(
-            q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, plan, plan_key
-        )
-    return eager_forward(
-        q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, plan=plan, plan_key=plan_key
-    )[0]
+        return _TritonAttention.apply(q, k, v, rel_bias, batch, causal, scale)
+    return jfa_forward(q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias)[0]

@@ -73,8 +73,8 @@ query tile height, so a tuner would have to rebuild it per candidate. Under the 
 every tile is 16 rows, so small tests cross many tile edges.
 
 Host cost. A forward + backward step of a small batch is over in a few hundred microseconds of
-device time, so what the host does per call matters: the work lists are remembered per offsets
-tensor (``cache=True`` of ``gem_jagged._worklist``), the forward's query list is handed to the
+device time, so what the host does per call matters: the work lists are kept in the batch's
+``JaggedBatch`` (built once per batch, shared by its layers), the forward's query list is handed to the
 backward, and the dK/dV split (with its zeroed float32 scratch) is only used when the longest
 sequence would otherwise be the tail of the launch (``dkdv_splits``). Q, K and V
 are read where they lie as long as each token's heads are dense (the views of a fused QKV
@@ -83,14 +83,12 @@ projection are): the kernels take their row strides instead of a contiguous copy
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gem_jagged._checks import checked_length_range, keys_fit_one_tile
-from gem_jagged._direct_launch import Launch
 from gem_jagged._jit import jit
 from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot_bound
 
@@ -225,12 +223,6 @@ def config_for(
         return _GPU_CONFIGS_FP32[head_dim]
     short_keys = keys_per_seq is not None and keys_per_seq <= SHORT_KEYS
     return config_table(short_keys=short_keys, rel_bias=rel_bias)[head_dim]
-
-
-def config_chosen_by(chosen_by: tuple) -> JaggedAttentionConfig:
-    """``config_for`` of ``(head_dim, device, dtype, keys_per_seq, rel_bias)``."""
-    head_dim, device, dtype, keys_per_seq, rel_bias = chosen_by
-    return config_for(head_dim, device, dtype, keys_per_seq=keys_per_seq, rel_bias=rel_bias)
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -900,112 +892,61 @@ def _bias_tile_args(rel_bias, q, *, rows, cols, keys_on_rows):
     return tiles, o_lo, num_offsets, step
 
 
-def jfa_forward(
-    q, k, v, q_offsets, kv_offsets, *, causal, scale, rel_bias, descriptors=None, record=None
-):
-    """Launch the forward kernel; returns ``(out [Tq, N, H], lse [N, Tq] float32, work)``.
+def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, descriptors=None):
+    """Launch the forward kernel over ``batch`` (a ``JaggedBatch``); returns ``(out [Tq, N, H],
+    lse [N, Tq] float32, work)``.
 
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
-    reuses it instead of building it again. It comes from (or goes into) the per-offsets cache
-    of ``gem_jagged._worklist``: an op that returns it to a compiler must return a copy, whose
-    memory the compiler may reuse once it is dead. ``descriptors`` (a dict, or None) remembers the Gluon
-    kernels' TMA descriptors for the backward's launches (``hopper.row_descriptor``).
-    ``record`` (a list, or None) receives a ``RecordedForward`` of the launch when the kernel
-    read the caller's q, k and v in place, 16-byte aligned, with no bias, by pointers or (the
-    Gluon kernel) through descriptors made at the launch (what ``_plan`` can launch again).
+    reuses it instead of building it again. It is kept in the batch (``JaggedBatch.memo``), so
+    the other layers of the batch reuse it too. ``descriptors`` (a dict, or None) remembers the
+    Gluon kernels' TMA descriptors for the backward's launches (``hopper.row_descriptor``).
     """
-    given = (q, k, v)
     total_q, num_heads, head_dim = q.shape
-    chosen_by = (
-        head_dim,
-        q.device,
-        q.dtype,
-        mean_keys_per_sequence(k, q_offsets),
-        rel_bias is not None,
-    )
-    cfg = config_chosen_by(chosen_by)
+    cfg = config_for(
+        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, batch.offsets),
+        rel_bias=rel_bias is not None,
+    )  # fmt: skip
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
-    work = query_tiles(
-        q_offsets, kv_offsets, total_q=total_q, block=cfg.fwd_block_m, causal=causal, cache=True
-    )
+    work = _query_work(batch, total_q=total_q, block=cfg.fwd_block_m, causal=causal)
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
     )
     grid = (work.num_slots * num_heads,)
-    plannable = (
-        record is not None
-        and rel_bias is None
-        and all(a is b for a, b in zip((q, k, v), given, strict=True))
-        and _aligned(q, k, v)
-    )
     if cfg.fwd_hopper and hopper.supported(
         q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
     ):
-        launch = hopper.launch_forward(
-            grid, q, k, v, out, lse, q_offsets, kv_offsets, work, scale=scale, causal=causal,
-            block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n, num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_stages, descriptors=descriptors,
+        hopper.launch_forward(
+            grid, q, k, v, out, lse, batch.offsets, batch.kv_offsets, work, scale=scale,
+            causal=causal, block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, descriptors=descriptors,
         )  # fmt: skip
-        if plannable:
-            record.append(RecordedForward(launch, cfg, chosen_by, descriptors=True))
         return out, lse, work.packed_5W
     tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
     k_src, v_src = k, v
     if tma:
         k_src, v_src = (_row_descriptor(t, cfg.fwd_block_n) for t in (k, v))
-    args = (
-        q, k_src, v_src, out, lse, tiles, q_offsets, kv_offsets,
+    _jfa_fwd_kernel[grid](
+        q, k_src, v_src, out, lse, tiles, batch.offsets, batch.kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets, q.stride(0),
         k.stride(0),
-    )  # fmt: skip
-    constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, CAUSAL=causal,
         HAS_BIAS=rel_bias is not None, BIAS_STEP=step, DOT_PRECISION=_dot_precision(q.dtype),
-        TMA=tma, NUM_STAGES=cfg.fwd_stages,
+        TMA=tma, NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
-    compiled = _jfa_fwd_kernel[grid](
-        *args, **constexprs, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages
-    )
-    if plannable and not tma:
-        launch = Launch(_jfa_fwd_kernel, compiled, grid, args, constexprs)
-        record.append(RecordedForward(launch, cfg, chosen_by))
     return out, lse, work.packed_5W
 
 
-@dataclass(frozen=True)
-class RecordedForward:
-    """One launch of a forward kernel (``jfa_forward``'s ``record``), the tile table entry
-    ``cfg`` that ``config_chosen_by(chosen_by)`` chose, and whether K and V went through TMA
-    descriptors (the Gluon kernel) or by pointers (the Triton kernel)."""
-
-    launch: Launch
-    cfg: JaggedAttentionConfig
-    chosen_by: tuple
-    descriptors: bool = False
-
-
-@dataclass
-class RecordedBackward:
-    """What one ``jfa_backward`` call launched (its ``record``), for ``_plan`` to launch again:
-    the launches in order; the tensors it made for the call by name, each with whether it was
-    zeroed (``dq``, ``dk``, ``dv``, and ``delta`` and ``scratch`` where made); the tensors it
-    read that outlive the call (``kept``: work lists, the unused scratch); dout as the
-    launches read it (contiguous: a copy of an expanded gradient); and whether the launches can
-    be made again from the call's tensors (``plannable``: no bias, and the caller's q, k, v and
-    out read in place)."""
-
-    launches: list[Launch] = field(default_factory=list)
-    made: dict[str, tuple[torch.Tensor, bool]] = field(default_factory=dict)
-    kept: list[torch.Tensor] = field(default_factory=list)
-    dout: torch.Tensor | None = None
-    plannable: bool = False
-
-
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+def _query_work(batch, *, total_q, block, causal) -> TileWorkList:
+    """The batch's query-tile list for this tile height (built at its first use)."""
+    return batch.memo(
+        ("jfa.query_tiles", total_q, block, causal),
+        lambda: query_tiles(
+            batch.offsets, batch.kv_offsets, total_q=total_q, block=block, causal=causal
+        ),
+    )
 
 
 def mean_keys_per_sequence(k: torch.Tensor, q_offsets: torch.Tensor) -> float:
@@ -1021,29 +962,23 @@ def forward_work_slots(q: torch.Tensor, k: torch.Tensor, q_offsets, *, rel_bias:
 
 
 def jfa_backward(
-    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, max_q_len=None,
-    forward_work=None, descriptors=None, record=None,
+    dout, q, k, v, out, lse, batch, *, causal, scale, rel_bias, forward_work=None,
+    descriptors=None,
 ):  # fmt: skip
-    """Launch the backward kernels; returns ``(dq, dk, dv, d_rel_bias or None)``.
-    ``descriptors``: the forward's memo of TMA descriptors (``jfa_forward``), or None.
-    ``record`` (a ``RecordedBackward``, or None) receives the launches and what they were given.
+    """Launch the backward kernels over ``batch``; returns ``(dq, dk, dv, d_rel_bias or None)``.
+    ``forward_work``: the forward's packed query list; ``descriptors``: the forward's memo of
+    TMA descriptors (``jfa_forward``), or None.
 
     Usually dQ runs first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then
     reads. Where the tile table says so (``dq_in_dkdv``: short keys, no bias, the Triton dK/dV
     kernel) the dK/dV kernel computes δ itself and writes dQ of every sequence whose keys fit
     its one key tile; the dQ kernel then runs only for the other sequences, and not at all when
-    the offsets' host check showed every sequence to have 1 to ``dkdv_block_n`` keys.
+    the batch's host check showed every sequence to have 1 to ``dkdv_block_n`` keys.
     """
-    given = (q, k, v, out)
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
-    if record is not None:
-        record.dout = dout
-        record.plannable = rel_bias is None and all(
-            a is b for a, b in zip((q, k, v, out), given, strict=True)
-        )
     cfg = config_for(
-        q.shape[2], q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, q_offsets),
+        q.shape[2], q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, batch.offsets),
         rel_bias=rel_bias is not None,
     )  # fmt: skip
     dkdv_on_hopper = cfg.dkdv_hopper and hopper.supported(
@@ -1051,70 +986,53 @@ def jfa_backward(
         rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
     )  # fmt: skip
     dq_in_dkdv = cfg.dq_in_dkdv and rel_bias is None and not dkdv_on_hopper
-    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, cfg=cfg, record=record)
+    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, cfg=cfg)
     if dq_in_dkdv:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _made(record, dq=dq)
         delta = lse  # never read: the dK/dV kernel sums δ itself
-        if not keys_fit_one_tile(kv_offsets, cfg.dkdv_block_n):
+        # Sequences of 1 to one key tile of keys get their dQ from the dK/dV kernel: where that
+        # is known of every sequence, the dQ kernel would launch only to exit.
+        if not batch.kv_lengths_known_within(1, cfg.dkdv_block_n):
             backward_dq(
-                dout, q, k, v, out, lse, q_offsets, kv_offsets, forward_work=forward_work,
+                dout, q, k, v, out, lse, batch, forward_work=forward_work,
                 descriptors=descriptors, dq=dq, keys_done_elsewhere=cfg.dkdv_block_n, **options,
             )  # fmt: skip
         dbias = None
     else:
         dq, dbias, delta = backward_dq(
-            dout, q, k, v, out, lse, q_offsets, kv_offsets, forward_work=forward_work,
+            dout, q, k, v, out, lse, batch, forward_work=forward_work,
             descriptors=descriptors, **options,
         )  # fmt: skip
     dk, dv = backward_dkdv(
-        dout, q, k, v, out, lse, delta, dq, q_offsets, kv_offsets, max_q_len=max_q_len,
-        descriptors=descriptors, on_hopper=dkdv_on_hopper, dq_in_dkdv=dq_in_dkdv, **options,
+        dout, q, k, v, out, lse, delta, dq, batch, descriptors=descriptors,
+        on_hopper=dkdv_on_hopper, dq_in_dkdv=dq_in_dkdv, **options,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
 
-def _made(record: RecordedBackward | None, *, zeroed: bool = False, **tensors) -> None:
-    """Tell ``record`` (if any) of tensors made for this call."""
-    if record is not None:
-        record.made.update((name, (t, zeroed)) for name, t in tensors.items())
-
-
-def _kept(record: RecordedBackward | None, *tensors: torch.Tensor) -> None:
-    """Tell ``record`` (if any) of tensors read that outlive this call."""
-    if record is not None:
-        record.kept.extend(tensors)
-
-
-def _launch(record: RecordedBackward | None, kernel, grid, args, constexprs, **options) -> None:
-    """``kernel[grid](*args, **constexprs, **options)``, told to ``record`` (if any)."""
-    compiled = kernel[grid](*args, **constexprs, **options)
-    if record is not None:
-        record.launches.append(Launch(kernel, compiled, grid, args, constexprs))
-
-
 def backward_dkdv(
-    dout, q, k, v, out, lse, delta, dq, q_offsets, kv_offsets, *, causal, scale, rel_bias, cfg,
-    on_hopper, dq_in_dkdv, max_q_len=None, descriptors=None, record=None,
+    dout, q, k, v, out, lse, delta, dq, batch, *, causal, scale, rel_bias, cfg, on_hopper,
+    dq_in_dkdv, descriptors=None,
 ):  # fmt: skip
     """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous) from the
     key-tile work list, long query ranges split; with ``dq_in_dkdv`` also dQ of the sequences
     whose keys fit one tile, into ``dq``."""
     total_q, num_heads, head_dim = q.shape
-    num_seqs = q_offsets.shape[0] - 1
+    num_seqs = batch.num_seqs
+    q_offsets, kv_offsets = batch.offsets, batch.kv_offsets
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    _made(record, dk=dk, dv=dv)
-    if max_q_len is None:  # no hint: the offsets' host check may know the longest sequence
-        lengths = checked_length_range(q_offsets)
-        max_q_len = None if lengths is None else lengths[1]
-    longest_q = total_q if max_q_len is None else min(max_q_len, total_q)
+    longest_q = total_q if batch.max_len is None else min(batch.max_len, total_q)
     max_splits = dkdv_splits(
         cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=num_seqs,
         num_heads=num_heads, longest_q=longest_q, causal=causal, device=q.device,
     )  # fmt: skip
-    kwork = key_tiles(
-        q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
-        align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits, cache=True,
+    kwork = batch.memo(
+        ("jfa.key_tiles", k.shape[0], cfg.dkdv_block_n, causal, cfg.dkdv_block_m,
+         cfg.split_rows, max_splits),
+        lambda: key_tiles(
+            q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
+            align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits,
+        ),
     )  # fmt: skip
     # Split tiles add into a zeroed float32 scratch: dK, dV, then (for the Triton kernel) an
     # arrival counter per (key row, head).
@@ -1122,57 +1040,46 @@ def backward_dkdv(
     if max_splits > 1:
         scratch_numel = 2 * kv_numel + k.shape[0] * num_heads
         scratch = torch.zeros(scratch_numel, dtype=torch.float32, device=k.device)
-        _made(record, scratch=scratch, zeroed=True)
     else:  # never written, but float32 like the real scratch: one compiled variant for both
         scratch = _unused_float32(k.device)
-        _kept(record, scratch)
-    _kept(record, kwork.packed_5W)
     grid = (kwork.num_slots * num_heads,)
     if on_hopper:
         dk_scratch = dv_scratch = scratch
         if max_splits > 1:
             dk_scratch = scratch[:kv_numel].view(k.shape)
             dv_scratch = scratch[kv_numel : 2 * kv_numel].view(k.shape)
-        launch = hopper.launch_dkdv(
+        hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
             block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
             descriptors=descriptors,
         )  # fmt: skip
-        if record is not None:
-            record.launches.append(launch)
         if max_splits > 1:
-            _launch(
-                record, _jfa_dkdv_finish_kernel, grid,
-                (dk, dv, dk_scratch, dv_scratch, kv_offsets,
-                 kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads),
-                dict(HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n), num_warps=cfg.dkdv_warps,
+            _jfa_dkdv_finish_kernel[grid](
+                dk, dv, dk_scratch, dv_scratch, kv_offsets,
+                kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
+                HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
             )  # fmt: skip
         return dk, dv
     tiles, o_lo, num_offsets, step = _bias_tile_args(
         rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
     )
-    args = (
+    _jfa_dkdv_kernel[grid](
         q, k, v, out, dout, lse, delta, tiles, dq, dk, dv, scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
         num_heads, total_q, k.shape[0], scale, scale * LOG2E, _radius(rel_bias), o_lo,
         num_offsets, q.stride(0), k.stride(0),
-    )  # fmt: skip
-    constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, CAUSAL=causal,
         HAS_BIAS=rel_bias is not None, BIAS_STEP=step, DQ_IN_DKDV=dq_in_dkdv,
         DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dkdv_stages,
-    )  # fmt: skip
-    _launch(
-        record, _jfa_dkdv_kernel, grid, args, constexprs, num_warps=cfg.dkdv_warps,
-        num_stages=cfg.dkdv_stages,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     return dk, dv
 
 
 def backward_dq(
-    dout, q, k, v, out, lse, q_offsets, kv_offsets, *, causal, scale, rel_bias, cfg,
-    forward_work=None, descriptors=None, dq=None, keys_done_elsewhere=0, record=None,
+    dout, q, k, v, out, lse, batch, *, causal, scale, rel_bias, cfg, forward_work=None,
+    descriptors=None, dq=None, keys_done_elsewhere=0,
 ):  # fmt: skip
     """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
     (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous), from the query-tile
@@ -1182,20 +1089,15 @@ def backward_dq(
     ``forward_work`` (the forward's packed list) is reused when its tile height matches.
     """
     total_q, num_heads, head_dim = q.shape
+    q_offsets, kv_offsets = batch.offsets, batch.kv_offsets
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _made(record, dq=dq)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
-    _made(record, delta=delta)
     radius = _radius(rel_bias)
     if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
         qwork = TileWorkList(forward_work, cfg.dq_block_m)
     else:
-        qwork = query_tiles(
-            q_offsets, kv_offsets, total_q=total_q, block=cfg.dq_block_m, causal=causal,
-            cache=True,
-        )  # fmt: skip
-    _kept(record, qwork.packed_5W)
+        qwork = _query_work(batch, total_q=total_q, block=cfg.dq_block_m, causal=causal)
     num_programs = qwork.num_slots * num_heads
     if rel_bias is not None:
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
@@ -1208,29 +1110,22 @@ def backward_dq(
         q, k, v, out, dout,
         rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
     ):  # fmt: skip
-        launch = hopper.launch_dq(
+        hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, descriptors=descriptors,
         )  # fmt: skip
-        if record is not None:
-            record.launches.append(launch)
     else:
-        args = (
+        _jfa_dq_kernel[(num_programs,)](
             q, k, v, out, dout, lse, delta, tiles, dq, dbias_part,
             q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
             num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
             k.stride(0), keys_done_elsewhere,
-        )  # fmt: skip
-        constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
             HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
             DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
             DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dq_stages,
-        )  # fmt: skip
-        _launch(
-            record, _jfa_dq_kernel, (num_programs,), args, constexprs, num_warps=cfg.dq_warps,
-            num_stages=cfg.dq_stages,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
     dbias = None
     if rel_bias is not None:

@@ -101,8 +101,6 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gem_jagged._direct_launch import DescriptorArg, Launch
-
 from ._common import LOG2E
 from .backward import _jfa_dkdv_hopper_kernel, _jfa_dq_hopper_kernel
 from .forward import _jfa_fwd_hopper_kernel
@@ -181,20 +179,13 @@ def row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescr
     return descriptor
 
 
-def row_descriptor_arg(t: torch.Tensor) -> DescriptorArg:
-    """``row_descriptor(t, ...)`` as a direct launch passes it again for a new ``t`` of the same
-    shape and strides (``gem_jagged._direct_launch``): the block height is the compiled
-    kernel's."""
-    return DescriptorArg(t, (t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1))
-
-
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
     *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
     leaves them; out contiguous). ``descriptors``: a memo of TMA descriptors (a dict) shared
-    with the backward's launches, or None. Returns the ``Launch``."""
+    with the backward's launches, or None."""
     total_q, num_heads, head_dim = q.shape
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
@@ -205,8 +196,7 @@ def launch_forward(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         SCALE_SIGN=-1 if scale < 0 else 1, NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
-    compiled = _jfa_fwd_hopper_kernel[grid](*args, **constexprs)
-    return Launch(_jfa_fwd_hopper_kernel, compiled, grid, args, constexprs)
+    _jfa_fwd_hopper_kernel[grid](*args, **constexprs)
 
 
 def launch_dq(
@@ -214,8 +204,7 @@ def launch_dq(
     *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out and dout contiguous); it fills ``delta`` as well. Returns the
-    ``Launch``."""
+    leaves them; out and dout contiguous); it fills ``delta`` as well."""
     total_q, num_heads, head_dim = q.shape
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
@@ -226,8 +215,7 @@ def launch_dq(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
-    compiled = _jfa_dq_hopper_kernel[grid](*args, **constexprs)
-    return Launch(_jfa_dq_hopper_kernel, compiled, grid, args, constexprs)
+    _jfa_dq_hopper_kernel[grid](*args, **constexprs)
 
 
 def launch_dkdv(
@@ -235,7 +223,7 @@ def launch_dkdv(
     *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
 ):  # fmt: skip
     """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; dout contiguous). Returns the ``Launch``."""
+    leaves them; dout contiguous)."""
     total_q, num_heads, head_dim = q.shape
     args = (
         row_descriptor(q, block_m, descriptors), k, v, row_descriptor(dout, block_m, descriptors),
@@ -246,5 +234,4 @@ def launch_dkdv(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         NUM_STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
-    compiled = _jfa_dkdv_hopper_kernel[grid](*args, **constexprs)
-    return Launch(_jfa_dkdv_hopper_kernel, compiled, grid, args, constexprs)
+    _jfa_dkdv_hopper_kernel[grid](*args, **constexprs)
