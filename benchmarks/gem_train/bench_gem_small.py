@@ -23,7 +23,7 @@ most 12 times, counted in the output), and reports QPS (samples/s after warm-up)
 BF16 peak, 989 TFLOP/s for the H200), Local MFU (each layer alone, FLOP-weighted; ``gem-train
 mfu``; measured once per distinct numerics and reused by the rows that share them), Scaling Ratio
 = E2E / Local, peak memory and the QPS ratio over the PyTorch-native anchor. Goals
-(docs/performance.md): all-on QPS ≥ 1.5× the anchor, E2E MFU ≥ 0.35.
+(docs/history/performance.md): all-on QPS ≥ 1.5× the anchor, E2E MFU ≥ 0.35.
 
 Where the time goes, per row: a ``profiling.StepTimer`` splits each timed step into data, forward,
 backward, optimizer and metrics, on the GPU timeline and on the host; a few extra steps run under

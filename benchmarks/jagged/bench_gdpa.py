@@ -107,7 +107,7 @@ def jfa_fn(w, device):
         return None
     q_off = common.offsets_of(w.q_lengths, device)
     # the length hint JFA's own benchmark passes: without it this anchor replayed from a CUDA
-    # graph in 1.48 ms on J1, against 1.23 there (H200, docs/performance.md, 2026-11-30)
+    # graph in 1.48 ms on J1, against 1.23 there (H200, docs/history/performance.md, 2026-11-30)
     hint = int(w.q_lengths.max())
 
     def fn(q, k, v):

@@ -36,7 +36,7 @@ They are measured a third way as well, as a training loop of this step would run
 step replayed back to back for a second, three rounds, with the SM clock each side ran at
 (``nvidia-smi``) and its energy per step (NVML's counter, read only). The H200 holds its board
 power to its limit by lowering the clock; a step that draws the limit runs slower there than
-in a short ``do_bench`` (docs/performance.md, 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
+in a short ``do_bench`` (docs/history/performance.md, 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
 per step over the loop, in ``jfa_sustained.png`` under ``$OUT`` (or the current directory).
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
