@@ -3,13 +3,16 @@
 Each benchmark script imports this module (``sys.path`` gets ``benchmarks/`` added by the
 script), measures the project and its anchors in one run, prints one table and, when
 ``GEMKIT_RESULTS`` names a file, appends its rows there as JSON lines so that
-``scripts/gpu_check.sh`` can print one summary table at the end of a GPU run.
+``scripts/gpu_check.sh`` can print one summary table at the end of a GPU run. Among them, the
+goal rows of ``record_goal`` are what the README's results table is made from
+(benchmarks/README.md).
 """
 
 import argparse
 import contextlib
 import ctypes
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -300,6 +303,100 @@ def record(benchmark: str, **row) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"benchmark": benchmark, **row}) + "\n")
+
+
+GRAPHED = "graph-replayed device time"
+EAGER = "eager"
+TARGET_OF = ("ratio", "gemkit")
+
+
+def record_goal(
+    *,
+    benchmark: str,
+    goal: str,
+    workload: str,
+    gemkit: float | None,
+    anchor: str,
+    anchor_value: float | None,
+    ratio: float,
+    unit: str,
+    basis: str,
+    target: float | None,
+    target_of: str = "ratio",
+) -> dict:
+    """Append one *goal row* to ``GEMKIT_RESULTS`` (when set) and return it.
+
+    Goal rows are what the README's results table is made from (``scripts/results_table.py``
+    reads the run files committed under ``benchmarks/results/`` and keeps, for each
+    ``(goal, workload)``, the newest row); ``benchmarks/README.md`` describes the format. The
+    device, the torch and triton versions and today's date (UTC) are filled in here.
+
+    Args:
+        benchmark: the script's name in the summary (as ``record``'s first argument).
+        goal: what is compared, the same text in every run (it keys the table's row), e.g.
+            ``"jagged flash attention vs FlexAttention"``.
+        workload: the workload id of docs/workloads.md and the pass, e.g. ``"J1 fwd+bwd"``.
+        gemkit: the project's figure in ``unit`` (None where a source gave only the ratio).
+        anchor: the anchor the goal names, e.g. ``"FlexAttention"``.
+        anchor_value: the anchor's figure in ``unit``, measured in the same run (or None).
+        ratio: how the project compares, greater is better (anchor time / project time for
+            times; project / anchor for rates and shares). NaN where the anchor failed.
+        unit: the unit of ``gemkit`` and ``anchor_value`` ("ms", "TB/s", "MFU", ...).
+        basis: how both were timed: ``GRAPHED`` (CUDA-graph replays, device time against
+            device time), ``EAGER``, or a short phrase of its own.
+        target: the goal's threshold, or None where the comparison has no goal.
+        target_of: what ``target`` bounds: ``"ratio"`` (the default) or ``"gemkit"``, for
+            goals stated in the unit itself (a bandwidth of 3.5 TB/s). Met means ≥ target.
+
+    Returns:
+        The row as written (a dict of JSON values, ``"kind": "goal"``).
+
+    Raises:
+        ValueError: if ``target_of`` is neither ``"ratio"`` nor ``"gemkit"``, or a text field
+            is empty.
+    """
+    if target_of not in TARGET_OF:
+        raise ValueError(f"target_of must be one of {TARGET_OF}, got {target_of!r}")
+    for name, text in dict(benchmark=benchmark, goal=goal, workload=workload, anchor=anchor,
+                           unit=unit, basis=basis).items():  # fmt: skip
+        if not text:
+            raise ValueError(f"{name} must be a non-empty text")
+    import triton
+
+    number = lambda v: None if v is None else float(v)  # noqa: E731
+    row = {
+        "benchmark": benchmark,
+        "kind": "goal",
+        "goal": goal,
+        "workload": workload,
+        "gemkit": number(gemkit),
+        "anchor": anchor,
+        "anchor_value": number(anchor_value),
+        "unit": unit,
+        "ratio": float(ratio),
+        "target": number(target),
+        "target_of": target_of,
+        "basis": basis,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+    }
+    path = os.environ.get("GEMKIT_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def graphed_or_eager(ms: dict, project: str, anchor: str) -> tuple[float, float, str]:
+    """(project ms, anchor ms, basis) for a goal row from a benchmark's ``ms`` by name: graph
+    against graph (``"<name> (graph)"`` entries) where both sides were replayed, since device
+    time does not move with the host's speed; otherwise the eager times."""
+    graphed = ms.get(f"{project} (graph)", math.nan), ms.get(f"{anchor} (graph)", math.nan)
+    if all(math.isfinite(t) for t in graphed):
+        return *graphed, GRAPHED
+    return ms[project], ms[anchor], EAGER
 
 
 def environment() -> str:

@@ -5,7 +5,10 @@
 #
 #   scripts/gpu_check.sh                          # gpu tests + every benchmarks/*/*.py
 #   scripts/gpu_check.sh "benchmarks/jagged/bench_gdpa.py --quick" benchmarks/lowprec/*.py
+#   scripts/gpu_check.sh "benchmarks/diagnostics/bench_energy.py --rounds 3"
 #
+# The default set leaves out benchmarks/diagnostics/ (profilers and A/B tools): they run only
+# when named. benchmarks/README.md describes the suite and how its results are kept.
 # Each argument is a benchmark script (a glob is fine) followed by its own arguments, quoted
 # inside as on a command line: "benchmarks/gem_train/bench_gem_small.py --only 'all on'".
 # Environment: GEMKIT_SKIP_TESTS=1 skips the tests; GEMKIT_TEST_PATHS (default: tests);
@@ -42,15 +45,24 @@ import json, sys
 for line in open(sys.argv[1]):
     row = json.loads(line)
     name = row.pop("benchmark")
+    if row.get("kind") == "goal":  # common.record_goal: the goal's ratio, target and basis
+        target = "no target" if row["target"] is None else f"target {row['target']:g} ({row['target_of']})"
+        print(f"{name:28s} goal {row['goal']}, {row['workload']}: {row['ratio']:.3g} x {row['anchor']}, {target}, {row['basis']}")
+        continue
     print(f"{name:28s} " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 PY
+}
+
+default_benchmarks() { # every benchmarks/<area>/*.py except benchmarks/diagnostics/, one a line
+  local f
+  for f in benchmarks/*/*.py; do [[ "$f" == benchmarks/diagnostics/* ]] || echo "$f"; done
 }
 
 gpus="${GEMKIT_GPUS:-1}"
 if [ "$gpus" -gt 1 ]; then
   read -r -a paths <<< "${GEMKIT_TEST_PATHS:-tests}"
   specs=("$@")
-  [ ${#specs[@]} -gt 0 ] || specs=(benchmarks/*/*.py)
+  [ ${#specs[@]} -gt 0 ] || mapfile -t specs < <(default_benchmarks)
   for ((i = 0; i < gpus; i++)); do
     mine_paths=() mine_specs=()
     for ((k = i; k < ${#paths[@]}; k += gpus)); do mine_paths+=("${paths[k]}"); done
@@ -94,7 +106,7 @@ if [ -z "${GEMKIT_SKIP_TESTS:-}" ]; then
 fi
 
 specs=("$@")
-[ ${#specs[@]} -gt 0 ] || specs=(benchmarks/*/*.py)
+[ ${#specs[@]} -gt 0 ] || mapfile -t specs < <(default_benchmarks)
 for spec in "${specs[@]}"; do
   # The first word is the script (a glob is fine); the rest are its arguments, quoted as on a
   # command line (--only "all on" "AutoAC → none").

@@ -7,7 +7,7 @@ low-precision kernels' hardware fp8 conversion, not the interpreter's), and prin
 registers per thread, spilled bytes and shared memory as ``ptxas -v`` reports them, and whether
 ``ptxas`` serialized the kernel's asynchronous MMAs (its advisory C7514: each ``wgmma`` then
 waits for the one before, which undoes a hand-written pipeline; a Gluon forward that issued
-the next block's scores before the softmax ran 1.29-1.37x slower for it, docs/performance.md,
+the next block's scores before the softmax ran 1.29-1.37x slower for it, docs/history/performance.md,
 2026-12-02, nineteenth session). A kernel that does not compile for sm_90 fails here, without
 device time.
 

@@ -155,6 +155,21 @@ def run(smoke: bool, quick: bool) -> None:
             x_flex=ms["flex+rope"] / base,
             x_padded_sdpa=ms["padded SDPA+rope"] / base,
         )
+        # the goal: 1.5x FlexAttention with a block mask and RoPE outside (eager: Flex is not
+        # replayed here)
+        mine, theirs, basis = common.graphed_or_eager(ms, "block_attention", "flex+rope")
+        common.record_goal(
+            benchmark="block_attention",
+            goal="BlockAttention vs FlexAttention",
+            workload=f"J5 {label}",
+            gemkit=mine,
+            anchor="FlexAttention (block mask) + RoPE",
+            anchor_value=theirs,
+            ratio=theirs / mine,
+            unit="ms",
+            basis=basis,
+            target=1.5,
+        )
         key = f"j5_{'fwdbwd' if backward else 'fwd'}"
         for name, slug in (("flex+rope", "flex"), ("padded SDPA+rope", "padded_sdpa")):
             headline[f"{key}_x_{slug}"] = ms[name] / base

@@ -36,7 +36,7 @@ They are measured a third way as well, as a training loop of this step would run
 step replayed back to back for a second, three rounds, with the SM clock each side ran at
 (``nvidia-smi``) and its energy per step (NVML's counter, read only). The H200 holds its board
 power to its limit by lowering the clock; a step that draws the limit runs slower there than
-in a short ``do_bench`` (docs/performance.md, 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
+in a short ``do_bench`` (docs/history/performance.md, 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
 per step over the loop, in ``jfa_sustained.png`` under ``$OUT`` (or the current directory).
 
 Every GPU run also prints the host's cost per call: the CPU time to issue one step without
@@ -196,6 +196,25 @@ def run(
                 x_flex=ms["flex"] / best,
                 x_padded=ms["padded"] / best,
             )
+            # The goals (forward + backward, no bias; README's results table): anchor, target.
+            goals = {"J1": {"flex": 2.0, "padded": 1.0}, "J2": {"flex": 1.5, "padded": 1.0},
+                     "J3": {"padded": 1.0}}  # fmt: skip
+            for anchor, target in goals.get(w.name, {}).items():
+                if backward and rel_bias_radius is None and anchor in fns:
+                    mine, theirs, basis = common.graphed_or_eager(ms, "project", anchor)
+                    name = {"flex": "FlexAttention", "padded": "padded SDPA"}[anchor]
+                    common.record_goal(
+                        benchmark="jagged_flash_attention",
+                        goal=f"jagged flash attention vs {name}",
+                        workload=f"{w.name} {label}",
+                        gemkit=mine,
+                        anchor=name,
+                        anchor_value=theirs,
+                        ratio=theirs / mine,
+                        unit="ms",
+                        basis=basis,
+                        target=target,
+                    )
             key = f"{w.name.lower()}_{'fwdbwd' if backward else 'fwd'}"
             for anchor in ("flex", "padded"):
                 if anchor in fns:

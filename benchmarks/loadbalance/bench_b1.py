@@ -165,6 +165,19 @@ def main(argv=None):
         plan_ms=plan[0],
         next_ms=whole[0],
     )
+    calibrated = "shuffler, calibrated expected_cost"
+    common.record_goal(
+        benchmark="loadbalance_b1",
+        goal="Base Batch Shuffling, share of the possible improvement",
+        workload="B1",
+        gemkit=float(result.ratios[calibrated].mean()),
+        anchor="global optimum",
+        anchor_value=float(result.optimum.mean()),
+        ratio=result.captured(calibrated),
+        unit="max/mean",
+        basis="simulated steps",
+        target=None,
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def test_a2_smoke_runs_the_optimised_and_native_models():
 
 
 def test_compile_stability_smoke_reports_each_step():
-    script = SCRIPT.with_name("bench_compile_stability.py")
+    script = SCRIPT.parents[1] / "diagnostics" / "bench_compile_stability.py"
     done = subprocess.run(
         [sys.executable, str(script), "--smoke", "--steps", "1", "memory.autoac=false"],
         capture_output=True, text=True, timeout=300,

@@ -84,7 +84,7 @@ def test_kernels_match_the_padded_model_on_cuda(small, autocast_bf16):
 def test_training_steps_stop_compiling_kernels(small, recipe):
     """After a few steps, a step of fresh jagged batches compiles no Triton kernel: each new
     variant costs hundreds of ms of host time, and batch-dependent specialisations once made
-    gem-small's steps 5–10× slower than their kernels (docs/performance.md)."""
+    gem-small's steps 5–10× slower than their kernels (docs/history/performance.md)."""
     from gem_jagged.testing import compiled_kernel_variants
     from gem_train.components import build_run
     from gem_train.profiling import StepTimer

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+DIAGNOSTICS = BENCHMARKS / "diagnostics"
 
 
 def assert_plotted(message: str, path: Path) -> None:
@@ -26,13 +27,13 @@ def assert_plotted(message: str, path: Path) -> None:
     ("script", "args", "expected"),
     [
         ("host_profile.py", ["--top", "3"], "launch paths"),
-        ("jagged/bench_kernel_breakdown.py", ["--only", "J3"], "kernel time per fwd+bwd step"),
-        ("jagged/bench_energy.py", ["--rounds", "1"], "energy per call, CPU smoke run"),
+        ("bench_kernel_breakdown.py", ["--only", "J3"], "kernel time per fwd+bwd step"),
+        ("bench_energy.py", ["--rounds", "1"], "energy per call, CPU smoke run"),
     ],
 )
 def test_diagnostic_benchmark_smoke_runs(script, args, expected):
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", *args],
+        [sys.executable, str(DIAGNOSTICS / script), "--smoke", *args],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -42,6 +43,7 @@ def test_diagnostic_benchmark_smoke_runs(script, args, expected):
 def test_kernel_breakdown_groups_kernels_by_stage_and_plots(tmp_path):
     sys.path.insert(0, str(BENCHMARKS))
     sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    sys.path.insert(0, str(DIAGNOSTICS))
     import bench_kernel_breakdown as breakdown
 
     names = {
@@ -74,6 +76,7 @@ def test_jfa_benchmark_plots_the_sustained_rounds(tmp_path):
 def test_custom_op_share_times_the_ops_implementations_and_restores_them():
     sys.path.insert(0, str(BENCHMARKS))
     sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    sys.path.insert(0, str(DIAGNOSTICS))
     import host_profile
     from gem_jagged import jagged_flash_attention
     from gem_jagged.ops.jagged_flash_attention import _op
@@ -112,7 +115,7 @@ def test_gpu_readings_are_nan_or_empty_without_a_gpu():
 
 def test_diagnostic_benchmarks_refuse_a_count_below_one():
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "jagged/bench_kernel_breakdown.py"), "--steps", "0"],
+        [sys.executable, str(DIAGNOSTICS / "bench_kernel_breakdown.py"), "--steps", "0"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2
@@ -122,6 +125,7 @@ def test_diagnostic_benchmarks_refuse_a_count_below_one():
 def test_energy_bench_counts_the_tile_pairs_a_causal_kernel_computes():
     sys.path.insert(0, str(BENCHMARKS))
     sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    sys.path.insert(0, str(DIAGNOSTICS))
     import bench_energy
 
     # tiles per sequence 0, 1, 1, 2, 2, 3 -> t(t+1)/2 pairs: 0 + 1 + 1 + 3 + 3 + 6
@@ -131,6 +135,7 @@ def test_energy_bench_counts_the_tile_pairs_a_causal_kernel_computes():
 def test_energy_bench_derives_the_backward_and_plots(tmp_path):
     sys.path.insert(0, str(BENCHMARKS))
     sys.path.insert(0, str(BENCHMARKS / "jagged"))
+    sys.path.insert(0, str(DIAGNOSTICS))
     import bench_energy
 
     measured = [

@@ -7,7 +7,7 @@ alignment, a constexpr computed from the batch) compiles again on many steps and
 hundreds of ms slower on the host; that is what this script is for finding. Flags are the
 trainer's overrides (``section.field=value``), applied to gem-small.
 
-    python benchmarks/gem_train/bench_compile_stability.py --steps 8 memory.autoac=true
+    python benchmarks/diagnostics/bench_compile_stability.py --steps 8 memory.autoac=true
 
 ``--cprofile`` also profiles each step's Python (cProfile) and, for every step slower than 1.5×
 the fastest one, prints the functions that took the most time: where a slow step's host time

@@ -1,5 +1,5 @@
 """Where the host time of an eager call goes: Python-level profiles of the calls that were
-measured host-bound (docs/performance.md, 2026-11-29).
+measured host-bound (docs/history/performance.md, 2026-11-29).
 
 Several goals were missed only in eager mode: a GDPA cross-attention (J3) or PMA (J4)
 forward + backward took 0.94 / 0.64 ms eager against 0.37 / 0.19 ms of device time, the fused
@@ -20,7 +20,7 @@ the numbers mean nothing there).
 
 On the GPU the attention group also profiles J1's step compiled with ``torch.compile``, whose
 graph calls the custom ops: it was measured host-bound in PyTorch's custom-op and AOT wrappers
-(docs/performance.md, 2026-12-02), and a last table splits its host time into the ops'
+(docs/history/performance.md, 2026-12-02), and a last table splits its host time into the ops'
 implementations and the rest (``custom_op_share``).
 """
 
@@ -37,8 +37,8 @@ import torch
 if "--smoke" in sys.argv or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "jagged"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jagged"))
 import attention_bench as ab  # noqa: E402
 import bench_gdpa  # noqa: E402
 import common  # noqa: E402
@@ -134,7 +134,7 @@ def custom_op_share(step, calls: int) -> dict[str, float]:
     directly with the op's last arguments. What is left of the step is PyTorch's (the compiled
     graph's runtime, autograd, the dispatcher). Where the implementation takes longer inside
     the step than called directly, the same Python runs slower there: on torch 2.11 any Python
-    inside a compiled region ran about 1.7x slower, a toy op's loop too (docs/performance.md,
+    inside a compiled region ran about 1.7x slower, a toy op's loop too (docs/history/performance.md,
     2026-12-02, eighteenth and nineteenth sessions)."""
     from gem_jagged.ops.jagged_flash_attention import _op
 

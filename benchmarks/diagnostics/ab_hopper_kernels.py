@@ -3,8 +3,8 @@
 
     git show main:packages/jagged/src/gem_jagged/ops/jagged_flash_attention/hopper/forward.py \
         > /tmp/forward_base.py
-    python benchmarks/jagged/ab_hopper_kernels.py /tmp/forward_base.py [--rounds 5] [--sustained 2]
-    python benchmarks/jagged/ab_hopper_kernels.py /tmp/backward_base.py --module backward
+    python benchmarks/diagnostics/ab_hopper_kernels.py /tmp/forward_base.py [--rounds 5] [--sustained 2]
+    python benchmarks/diagnostics/ab_hopper_kernels.py /tmp/backward_base.py --module backward
 
 The other file is loaded as a module of the ``hopper`` package (its relative imports resolve
 there) and its kernels swapped into the launchers before each call. Each variant gets its own inputs and
@@ -12,7 +12,7 @@ offsets, so its launch plans are its own. Prints the outputs' and gradients' lar
 difference, five alternating ``do_bench`` rounds (25 / 100 ms) of eager forward and forward +
 backward steps with their per-round ratios, and J1's steps back to back for 1 s a side (ms,
 mean SM MHz, mJ per step): the power limit makes a short measurement flatter a kernel that
-draws more power (docs/performance.md, 2026-12-02).
+draws more power (docs/history/performance.md, 2026-12-02).
 """
 
 import argparse
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jagged"))
 import attention_bench as ab  # noqa: E402
 import bench_jagged_flash_attention as bj  # noqa: E402
 import common  # noqa: E402

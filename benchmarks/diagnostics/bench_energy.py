@@ -20,7 +20,7 @@ mean watts, pJ per computed and per useful FLOP, and computed TFLOP/s. Cases:
 Where matplotlib is installed it draws the medians as bars in ``energy_per_flop.png`` under
 ``$OUT`` (or the current folder).
 
-    python benchmarks/jagged/bench_energy.py [--seconds 1] [--rounds 2]
+    python benchmarks/diagnostics/bench_energy.py [--seconds 1] [--rounds 2]
 
 ``--smoke`` runs tiny lengths on the CPU (Triton interpreter, eager Flex forward only; no energy
 there), to check that the script runs.
@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jagged"))
 import attention_bench as ab  # noqa: E402
 import bench_jagged_flash_attention as bj  # noqa: E402
 import common  # noqa: E402
