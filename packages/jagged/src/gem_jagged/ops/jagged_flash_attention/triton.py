@@ -81,9 +81,7 @@ are read where they lie as long as each token's heads are dense (the views of a 
 projection are): the kernels take their row strides instead of a contiguous copy of each.
 """
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import triton.language as tl
@@ -94,137 +92,13 @@ from gem_jagged._worklist import TileWorkList, key_tiles, query_tiles, tile_slot
 
 from . import hopper
 from .bias_tiles import add_relative_bias, far_bias_log2, relative_bias_tiles
+from .config import DqPlacement, JaggedAttentionConfig, KernelImpl, KeyLoads
 
 LOG2E = 1.4426950408889634
 
 
-@dataclass(frozen=True)
-class JaggedAttentionConfig:
-    """Tile shapes and launch options of the three kernels for one head dim."""
-
-    fwd_block_m: int
-    fwd_block_n: int
-    fwd_warps: int
-    fwd_stages: int
-    dkdv_block_m: int  # query rows streamed per step
-    dkdv_block_n: int  # key rows held by a program
-    dkdv_warps: int
-    dkdv_stages: int
-    dq_block_m: int
-    dq_block_n: int
-    dq_warps: int
-    dq_stages: int
-    split_rows: int  # a key tile seeing more query rows than this is split ...
-    max_splits: int  # ... into at most this many chunks
-    # Interior bias diagonals the dQ kernel reduces per skewed read of a dS tile, at most
-    # dq_block_n (a gather index wider than its source along the axis can fail to compile).
-    dq_diag_chunk: int = 64
-    fwd_tma: bool = False  # the forward streams K and V through TMA descriptors
-    # Short keys without a bias: the Triton dK/dV kernel sums δ itself and writes dQ of every
-    # sequence whose keys fit its one key tile (``jfa_backward``).
-    dq_in_dkdv: bool = False
-    # The Gluon kernels of ``hopper/`` where they apply (sm_90, 2-byte, no bias)
-    fwd_hopper: bool = False
-    dkdv_hopper: bool = False
-    dq_hopper: bool = False
-
-
-# Small chunks of bias diagonals too, so that small tests cross chunk edges.
-_INTERPRETER_CONFIG = JaggedAttentionConfig(
-    16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 32, 3, 8, fwd_tma=True, dq_in_dkdv=True
-)
-
-# bf16 / fp16 (2-byte elements). Head dim 128: 64-row query tiles on 4 warps for the forward and
-# dQ (one shared work list) and two dK/dV stages took J1's forward + backward from 1.30 to
-# 1.21 ms and J2's from 1.85 to 1.78 on an H200 (graph-replayed; docs/performance.md,
-# 2026-11-30). Streaming K and V through TMA took the forward from 0.307 to 0.275-0.287 ms on
-# J1 and from 0.444-0.45 to 0.386-0.399 on J2 (2026-11-30, tenth session). On Hopper the
-# Gluon kernels of ``hopper/`` take head dim 128, dK/dV on 64-key tiles with 4 warps (two
-# programs per SM): J1's forward + backward 1.21 -> 1.05 ms, J2's 1.77 -> 1.51, graph-replayed
-# (2026-11-30, eleventh session); their backward streaming by TMA, 1.03 -> 0.99 and 1.53 ->
-# 1.47 (twelfth session). dQ's ring of three K/V blocks (its query tile in registers) took its
-# kernel from 270-285 to 259-268 us on J1 (2026-12-01, fourteenth session). The Triton fallback
-# takes the same tiles.
-_GPU_CONFIGS = {
-    32: JaggedAttentionConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
-    64: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 3, 128, 64, 8, 2, 1024, 4),
-    128: JaggedAttentionConfig(
-        64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 3, 1024, 4,
-        fwd_tma=True, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True,
-    ),
-}  # fmt: skip
-# float32 (4-byte elements, IEEE dots): half-height tiles, two stages; correctness, not speed.
-_GPU_CONFIGS_FP32 = {
-    32: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 1024, 4),
-    64: JaggedAttentionConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2, 1024, 4),
-    128: JaggedAttentionConfig(64, 32, 4, 2, 32, 32, 4, 2, 64, 32, 4, 2, 1024, 4),
-}
-
-# bf16 / fp16 when the sequences average at most SHORT_KEYS keys (candidates, J3): a dK/dV
-# program holds one 64-key tile, so a 64-key sequence fills it instead of half a 128-key tile;
-# at head dim 128 it streams 32 query rows on 4 warps (J3's backward 0.224 -> 0.195 ms on an
-# H200, then with four stages). The Triton kernels serve it on Hopper too: the Gluon backward ran
-# J3's in 0.186 ms against 0.179 (2026-11-30, eleventh session). The forward and dQ share one query
-# tile height (and work list) with the table above. The forward loads its one key block by
-# pointers: through TMA J3's forward ran 0.103 ms against 0.112 on the device, but Triton
-# encodes each descriptor on the host at every launch, 127 us of host time per call against 96,
-# and an eager J3 call is host-bound (docs/performance.md, 2026-11-30, tenth session).
-# Its Triton dQ keeps two stages: with the three it inherited from the table above for a few
-# commits, J3's forward + backward took 337-340 us of device time, against 285 with two
-# (graph replays, 2026-12-01, fourteenth session). Its dK/dV kernel writes dQ (``dq_in_dkdv``)
-# on two stages: J3's forward + backward 285 -> 244 us (four stages: 276; the dQ kernel for
-# every sequence: 288), and an eager call issues one backward launch instead of three
-# (2026-12-01, fifteenth session).
-SHORT_KEYS = 64
-_GPU_CONFIGS_SHORT_KEYS = {
-    hd: dataclasses.replace(cfg, dkdv_block_n=64, dq_in_dkdv=True)
-    for hd, cfg in _GPU_CONFIGS.items()
-} | {
-    128: dataclasses.replace(
-        _GPU_CONFIGS[128], dkdv_block_m=32, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=2,
-        dq_stages=2, fwd_tma=False, fwd_hopper=False, dkdv_hopper=False, dq_hopper=False,
-        dq_in_dkdv=True,
-    )
-}  # fmt: skip
-
-# bf16 / fp16 with a relative bias, head dim 128 (gem-small's attention; R = 32, graph-replayed
-# on an H200, docs/performance.md 2026-11-30, tenth session): the forward keeps 128-row tiles on
-# 8 warps with pointer loads (64 rows on 4 warps: 0.346 -> 0.44 ms on J1; TMA: 0.346 -> 0.345 on
-# J1, 0.462 -> 0.442 on J2, not worth the descriptors' host cost); dQ takes 64-row tiles on 4
-# warps and dK/dV two stages, as without a bias: J1's forward + backward 1.57 -> 1.47 ms, J2's
-# 2.09 -> 1.97. Its dQ kernel spills at either height: 144 / 156 bytes at 64 rows on 4 warps,
-# 120 / 132 at 128 rows on 8 (ptxas, sm_90). The forward and dQ then build a work list each.
-_GPU_CONFIGS_BIAS = _GPU_CONFIGS | {
-    128: JaggedAttentionConfig(128, 64, 8, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 4)
-}
-_GPU_CONFIGS_BIAS_SHORT_KEYS = {
-    hd: dataclasses.replace(cfg, dkdv_block_n=64) for hd, cfg in _GPU_CONFIGS_BIAS.items()
-}
-
-
-def config_table(*, short_keys: bool, rel_bias: bool) -> dict[int, JaggedAttentionConfig]:
-    """The bf16/fp16 tile table (by head dim) for short keys or not, with a bias or not."""
-    if rel_bias:
-        return _GPU_CONFIGS_BIAS_SHORT_KEYS if short_keys else _GPU_CONFIGS_BIAS
-    return _GPU_CONFIGS_SHORT_KEYS if short_keys else _GPU_CONFIGS
-
-
-def config_for(
-    head_dim: int, device: torch.device, dtype: torch.dtype, *, keys_per_seq: float | None = None,
-    rel_bias: bool = False,
-) -> JaggedAttentionConfig:  # fmt: skip
-    """The tile shapes for one head dim and element size (every tile 16 under the interpreter);
-    for bf16/fp16 ``keys_per_seq`` (``Tk / B``, host-known: ``mean_keys_per_sequence``) picks
-    the short-keys tiles and ``rel_bias`` those of the bias path. Every launcher and the fake
-    implementation ask with the same arguments, so their work lists agree."""
-    if device.type != "cuda":
-        return _INTERPRETER_CONFIG
-    if dtype.itemsize > 2:
-        return _GPU_CONFIGS_FP32[head_dim]
-    short_keys = keys_per_seq is not None and keys_per_seq <= SHORT_KEYS
-    return config_table(short_keys=short_keys, rel_bias=rel_bias)[head_dim]
-
-
+# SMs per device index: a fact of the hardware, asked once (the query costs host time at every
+# backward launch otherwise). Nothing here depends on a batch or a call.
 _SM_COUNTS: dict[int, int] = {}
 
 
@@ -235,6 +109,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
+# One never-written float32 element per device: scratch, not state (no launch reads it).
 _UNUSED_FLOAT32: dict[torch.device, torch.Tensor] = {}
 
 
@@ -247,9 +122,15 @@ def _unused_float32(device: torch.device) -> torch.Tensor:
     return _UNUSED_FLOAT32[device]
 
 
+def longest_query_rows(batch, *, total_q: int) -> int:
+    """The longest query sequence of ``batch`` as the backward sizes its split by: the batch's
+    ``max_len`` (the checked longest length, else the caller's hint), else all ``total_q``."""
+    return total_q if batch.max_len is None else min(batch.max_len, total_q)
+
+
 def dkdv_splits(
     cfg: JaggedAttentionConfig, *, total_q: int, total_kv: int, num_seqs: int, num_heads: int,
-    longest_q: int, causal: bool, device: torch.device,
+    longest_q: int, causal: bool, sm_count: int | None,
 ) -> int:  # fmt: skip
     """Chunks per key tile: more than one only where the longest tile would be the launch's tail.
 
@@ -261,13 +142,14 @@ def dkdv_splits(
     rows, at most ``max_splits`` chunks). Splitting costs a float32 scratch for dK/dV (zeroed:
     proportional to ``Tk``), atomics and, after the Gluon kernel, a finishing kernel, so it is
     kept for real tails: J3 (64 keys per sequence, one key tile each) splits, J1 and J2 do not.
+    ``sm_count`` None (the interpreter) splits whenever ``cfg`` allows, so that tests cover it.
     """
     if longest_q <= cfg.split_rows or cfg.max_splits <= 1 or num_seqs == 0:
         return 1
-    if device.type != "cuda":  # the interpreter: split whenever allowed, so tests cover it
+    if sm_count is None:  # the interpreter: split whenever allowed, so tests cover it
         return max(1, min(cfg.max_splits, -(-longest_q // cfg.split_rows)))
     pairs = total_q * total_kv / num_seqs / (2 if causal else 1)
-    share = pairs * num_heads / cfg.dkdv_block_n / _sm_count(device)
+    share = pairs * num_heads / cfg.dkdv.block_n / sm_count
     if longest_q <= share:
         return 1
     return max(1, min(cfg.max_splits, -(-longest_q // max(cfg.split_rows, int(share)))))
@@ -892,7 +774,7 @@ def _bias_tile_args(rel_bias, q, *, rows, cols, keys_on_rows):
     return tiles, o_lo, num_offsets, step
 
 
-def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, descriptors=None):
+def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, config, descriptors=None):
     """Launch the forward kernel over ``batch`` (a ``JaggedBatch``); returns ``(out [Tq, N, H],
     lse [N, Tq] float32, work)``.
 
@@ -900,41 +782,43 @@ def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, descriptors=None):
     reuses it instead of building it again. It is kept in the batch (``JaggedBatch.memo``), so
     the other layers of the batch reuse it too. ``descriptors`` (a dict, or None) remembers the
     Gluon kernels' TMA descriptors for the backward's launches (``hopper.row_descriptor``).
+    ``config``: the ``JaggedAttentionConfig`` (``config_for_inputs`` picks one).
     """
     total_q, num_heads, head_dim = q.shape
-    cfg = config_for(
-        head_dim, q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, batch.offsets),
-        rel_bias=rel_bias is not None,
-    )  # fmt: skip
+    cfg = config
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
-    work = _query_work(batch, total_q=total_q, block=cfg.fwd_block_m, causal=causal)
+    work = _query_work(batch, total_q=total_q, block=cfg.forward.block_m, causal=causal)
     tiles, o_lo, num_offsets, step = _bias_tile_args(
-        rel_bias, q, rows=cfg.fwd_block_m, cols=cfg.fwd_block_n, keys_on_rows=False
+        rel_bias, q, rows=cfg.forward.block_m, cols=cfg.forward.block_n, keys_on_rows=False
     )
     grid = (work.num_slots * num_heads,)
-    if cfg.fwd_hopper and hopper.supported(
-        q, k, v, rel_bias=rel_bias is not None, rows=cfg.fwd_block_m, num_warps=cfg.fwd_warps
+    if cfg.forward_impl == KernelImpl.GLUON_HOPPER and hopper.supported(
+        q,
+        k,
+        v,
+        rel_bias=rel_bias is not None,
+        rows=cfg.forward.block_m,
+        num_warps=cfg.forward.warps,
     ):
         hopper.launch_forward(
             grid, q, k, v, out, lse, batch.offsets, batch.kv_offsets, work, scale=scale,
-            causal=causal, block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, descriptors=descriptors,
+            causal=causal, config=cfg, descriptors=descriptors,
         )  # fmt: skip
         return out, lse, work.packed_5W
-    tma = cfg.fwd_tma and _tma_ready(k) and _tma_ready(v)
+    tma = cfg.key_loads == KeyLoads.TMA and _tma_ready(k) and _tma_ready(v)
     k_src, v_src = k, v
     if tma:
-        k_src, v_src = (_row_descriptor(t, cfg.fwd_block_n) for t in (k, v))
+        k_src, v_src = (_row_descriptor(t, cfg.forward.block_n) for t in (k, v))
     _jfa_fwd_kernel[grid](
         q, k_src, v_src, out, lse, tiles, batch.offsets, batch.kv_offsets,
         work.seq_W, work.start_W, work.hi_W,
         num_heads, total_q, scale * LOG2E, _radius(rel_bias), o_lo, num_offsets, q.stride(0),
         k.stride(0),
-        HEAD_DIM=head_dim, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.forward.block_m, BLOCK_N=cfg.forward.block_n, CAUSAL=causal,
         HAS_BIAS=rel_bias is not None, BIAS_STEP=step, DOT_PRECISION=_dot_precision(q.dtype),
-        TMA=tma, NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        TMA=tma, NUM_STAGES=cfg.forward.stages, num_warps=cfg.forward.warps, num_stages=cfg.forward.stages,
     )  # fmt: skip
     return out, lse, work.packed_5W
 
@@ -949,53 +833,45 @@ def _query_work(batch, *, total_q, block, causal) -> TileWorkList:
     )
 
 
-def mean_keys_per_sequence(k: torch.Tensor, q_offsets: torch.Tensor) -> float:
-    """``Tk / B`` from host-known shapes: what picks the short-keys tile table."""
-    return k.shape[0] / max(q_offsets.shape[0] - 1, 1)
-
-
-def forward_work_slots(q: torch.Tensor, k: torch.Tensor, q_offsets, *, rel_bias: bool) -> int:
-    """Slots of the forward's query work list (host shapes only; for fake tensors too)."""
-    keys = mean_keys_per_sequence(k, q_offsets)
-    cfg = config_for(q.shape[2], q.device, q.dtype, keys_per_seq=keys, rel_bias=rel_bias)
-    return tile_slot_bound(q.shape[0], q_offsets.shape[0] - 1, cfg.fwd_block_m)
+def forward_work_slots(q: torch.Tensor, q_offsets: torch.Tensor, *, config) -> int:
+    """Slots of the forward's query work list under ``config`` (host shapes only; for fake
+    tensors too)."""
+    return tile_slot_bound(q.shape[0], q_offsets.shape[0] - 1, config.forward.block_m)
 
 
 def jfa_backward(
-    dout, q, k, v, out, lse, batch, *, causal, scale, rel_bias, forward_work=None,
+    dout, q, k, v, out, lse, batch, *, causal, scale, rel_bias, config, forward_work=None,
     descriptors=None,
 ):  # fmt: skip
     """Launch the backward kernels over ``batch``; returns ``(dq, dk, dv, d_rel_bias or None)``.
     ``forward_work``: the forward's packed query list; ``descriptors``: the forward's memo of
-    TMA descriptors (``jfa_forward``), or None.
+    TMA descriptors (``jfa_forward``), or None; ``config``: the forward's config.
 
     Usually dQ runs first: its kernel also computes δ = rowsum(dO ⊙ O), which dK/dV then
-    reads. Where the tile table says so (``dq_in_dkdv``: short keys, no bias, the Triton dK/dV
+    reads. Where the config says so (``DqPlacement.IN_DKDV``: no bias, the Triton dK/dV
     kernel) the dK/dV kernel computes δ itself and writes dQ of every sequence whose keys fit
     its one key tile; the dQ kernel then runs only for the other sequences, and not at all when
-    the batch's host check showed every sequence to have 1 to ``dkdv_block_n`` keys.
+    the batch's host check showed every sequence to have 1 to ``config.dkdv.block_n`` keys.
     """
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
-    cfg = config_for(
-        q.shape[2], q.device, q.dtype, keys_per_seq=mean_keys_per_sequence(k, batch.offsets),
-        rel_bias=rel_bias is not None,
-    )  # fmt: skip
-    dkdv_on_hopper = cfg.dkdv_hopper and hopper.supported(
+    cfg = config
+    dkdv_on_hopper = cfg.dkdv_impl == KernelImpl.GLUON_HOPPER and hopper.supported(
         q, k, v, dout,
-        rel_bias=rel_bias is not None, rows=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+        rel_bias=rel_bias is not None, rows=cfg.dkdv.block_n, num_warps=cfg.dkdv.warps,
     )  # fmt: skip
-    dq_in_dkdv = cfg.dq_in_dkdv and rel_bias is None and not dkdv_on_hopper
-    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, cfg=cfg)
+    in_dkdv = cfg.dq_placement == DqPlacement.IN_DKDV
+    dq_in_dkdv = in_dkdv and rel_bias is None and not dkdv_on_hopper
+    options = dict(causal=causal, scale=scale, rel_bias=rel_bias, config=cfg)
     if dq_in_dkdv:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         delta = lse  # never read: the dK/dV kernel sums δ itself
         # Sequences of 1 to one key tile of keys get their dQ from the dK/dV kernel: where that
         # is known of every sequence, the dQ kernel would launch only to exit.
-        if not batch.kv_lengths_known_within(1, cfg.dkdv_block_n):
+        if not batch.kv_lengths_known_within(1, cfg.dkdv.block_n):
             backward_dq(
                 dout, q, k, v, out, lse, batch, forward_work=forward_work,
-                descriptors=descriptors, dq=dq, keys_done_elsewhere=cfg.dkdv_block_n, **options,
+                descriptors=descriptors, dq=dq, keys_done_elsewhere=cfg.dkdv.block_n, **options,
             )  # fmt: skip
         dbias = None
     else:
@@ -1011,27 +887,29 @@ def jfa_backward(
 
 
 def backward_dkdv(
-    dout, q, k, v, out, lse, delta, dq, batch, *, causal, scale, rel_bias, cfg, on_hopper,
+    dout, q, k, v, out, lse, delta, dq, batch, *, causal, scale, rel_bias, config, on_hopper,
     dq_in_dkdv, descriptors=None,
 ):  # fmt: skip
     """dK and dV (q, k, v as ``_rows_of_heads`` leaves them; dout and out contiguous) from the
     key-tile work list, long query ranges split; with ``dq_in_dkdv`` also dQ of the sequences
-    whose keys fit one tile, into ``dq``."""
+    whose keys fit one tile, into ``dq``. ``config``: its ``dkdv`` tiles and split limits;
+    ``on_hopper``: the Gluon kernel runs (the caller checked ``hopper.supported``)."""
+    cfg = config
     total_q, num_heads, head_dim = q.shape
     num_seqs = batch.num_seqs
     q_offsets, kv_offsets = batch.offsets, batch.kv_offsets
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    longest_q = total_q if batch.max_len is None else min(batch.max_len, total_q)
     max_splits = dkdv_splits(
-        cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=num_seqs,
-        num_heads=num_heads, longest_q=longest_q, causal=causal, device=q.device,
+        cfg, total_q=total_q, total_kv=k.shape[0], num_seqs=num_seqs, num_heads=num_heads,
+        longest_q=longest_query_rows(batch, total_q=total_q), causal=causal,
+        sm_count=_sm_count(q.device) if q.device.type == "cuda" else None,
     )  # fmt: skip
     kwork = batch.memo(
-        ("jfa.key_tiles", k.shape[0], cfg.dkdv_block_n, causal, cfg.dkdv_block_m,
+        ("jfa.key_tiles", k.shape[0], cfg.dkdv.block_n, causal, cfg.dkdv.block_m,
          cfg.split_rows, max_splits),
         lambda: key_tiles(
-            q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv_block_n, causal=causal,
-            align=cfg.dkdv_block_m, split_rows=cfg.split_rows, max_splits=max_splits,
+            q_offsets, kv_offsets, total_kv=k.shape[0], block=cfg.dkdv.block_n, causal=causal,
+            align=cfg.dkdv.block_m, split_rows=cfg.split_rows, max_splits=max_splits,
         ),
     )  # fmt: skip
     # Split tiles add into a zeroed float32 scratch: dK, dV, then (for the Triton kernel) an
@@ -1050,35 +928,33 @@ def backward_dkdv(
             dv_scratch = scratch[kv_numel : 2 * kv_numel].view(k.shape)
         hopper.launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
-            kv_offsets, kwork, scale=scale, causal=causal, block_m=cfg.dkdv_block_m,
-            block_n=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-            descriptors=descriptors,
+            kv_offsets, kwork, scale=scale, causal=causal, config=cfg, descriptors=descriptors,
         )  # fmt: skip
         if max_splits > 1:
             _jfa_dkdv_finish_kernel[grid](
                 dk, dv, dk_scratch, dv_scratch, kv_offsets,
                 kwork.seq_W, kwork.start_W, kwork.splits_W, num_heads,
-                HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+                HEAD_DIM=head_dim, BLOCK_N=cfg.dkdv.block_n, num_warps=cfg.dkdv.warps,
             )  # fmt: skip
         return dk, dv
     tiles, o_lo, num_offsets, step = _bias_tile_args(
-        rel_bias, q, rows=cfg.dkdv_block_n, cols=cfg.dkdv_block_m, keys_on_rows=True
+        rel_bias, q, rows=cfg.dkdv.block_n, cols=cfg.dkdv.block_m, keys_on_rows=True
     )
     _jfa_dkdv_kernel[grid](
         q, k, v, out, dout, lse, delta, tiles, dq, dk, dv, scratch,
         q_offsets, kv_offsets, kwork.seq_W, kwork.start_W, kwork.lo_W, kwork.hi_W, kwork.splits_W,
         num_heads, total_q, k.shape[0], scale, scale * LOG2E, _radius(rel_bias), o_lo,
         num_offsets, q.stride(0), k.stride(0),
-        HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, CAUSAL=causal,
         HAS_BIAS=rel_bias is not None, BIAS_STEP=step, DQ_IN_DKDV=dq_in_dkdv,
-        DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dkdv_stages,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dkdv.stages,
+        num_warps=cfg.dkdv.warps, num_stages=cfg.dkdv.stages,
     )  # fmt: skip
     return dk, dv
 
 
 def backward_dq(
-    dout, q, k, v, out, lse, batch, *, causal, scale, rel_bias, cfg, forward_work=None,
+    dout, q, k, v, out, lse, batch, *, causal, scale, rel_bias, config, forward_work=None,
     descriptors=None, dq=None, keys_done_elsewhere=0,
 ):  # fmt: skip
     """dQ, the relative-bias gradient (or None) and ``δ [N, Tq] = rowsum(dO ⊙ O)`` in float32
@@ -1086,34 +962,35 @@ def backward_dq(
     work list; into ``dq`` when given. Sequences of 1 to ``keys_done_elsewhere`` keys are
     skipped (the dK/dV kernel writes their dQ).
 
-    ``forward_work`` (the forward's packed list) is reused when its tile height matches.
+    ``forward_work`` (the forward's packed list) is reused when its tile height matches;
+    ``config``: its ``dq`` tiles and implementation.
     """
+    cfg = config
     total_q, num_heads, head_dim = q.shape
     q_offsets, kv_offsets = batch.offsets, batch.kv_offsets
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
     radius = _radius(rel_bias)
-    if forward_work is not None and cfg.fwd_block_m == cfg.dq_block_m:
-        qwork = TileWorkList(forward_work, cfg.dq_block_m)
+    if forward_work is not None and cfg.forward.block_m == cfg.dq.block_m:
+        qwork = TileWorkList(forward_work, cfg.dq.block_m)
     else:
-        qwork = _query_work(batch, total_q=total_q, block=cfg.dq_block_m, causal=causal)
+        qwork = _query_work(batch, total_q=total_q, block=cfg.dq.block_m, causal=causal)
     num_programs = qwork.num_slots * num_heads
     if rel_bias is not None:
         dbias_part = torch.zeros(num_programs, 2 * radius + 1, dtype=torch.float32, device=q.device)
     else:
         dbias_part = lse
     tiles, o_lo, num_offsets, step = _bias_tile_args(
-        rel_bias, q, rows=cfg.dq_block_m, cols=cfg.dq_block_n, keys_on_rows=False
+        rel_bias, q, rows=cfg.dq.block_m, cols=cfg.dq.block_n, keys_on_rows=False
     )
-    if cfg.dq_hopper and not keys_done_elsewhere and hopper.supported(
+    if cfg.dq_impl == KernelImpl.GLUON_HOPPER and not keys_done_elsewhere and hopper.supported(
         q, k, v, out, dout,
-        rel_bias=rel_bias is not None, rows=cfg.dq_block_m, num_warps=cfg.dq_warps,
+        rel_bias=rel_bias is not None, rows=cfg.dq.block_m, num_warps=cfg.dq.warps,
     ):  # fmt: skip
         hopper.launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
-            scale=scale, causal=causal, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, descriptors=descriptors,
+            scale=scale, causal=causal, config=cfg, descriptors=descriptors,
         )  # fmt: skip
     else:
         _jfa_dq_kernel[(num_programs,)](
@@ -1121,11 +998,11 @@ def backward_dq(
             q_offsets, kv_offsets, qwork.seq_W, qwork.start_W, qwork.hi_W,
             num_heads, total_q, scale, scale * LOG2E, radius, o_lo, num_offsets, q.stride(0),
             k.stride(0), keys_done_elsewhere,
-            HEAD_DIM=head_dim, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
+            HEAD_DIM=head_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, CAUSAL=causal,
             HAS_BIAS=rel_bias is not None, BIAS_STEP=step,
-            DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq_block_n),
-            DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dq_stages,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            DIAG_CHUNK=min(cfg.dq_diag_chunk, cfg.dq.block_n),
+            DOT_PRECISION=_dot_precision(q.dtype), NUM_STAGES=cfg.dq.stages,
+            num_warps=cfg.dq.warps, num_stages=cfg.dq.stages,
         )  # fmt: skip
     dbias = None
     if rel_bias is not None:

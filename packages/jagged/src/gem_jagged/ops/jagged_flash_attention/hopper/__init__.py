@@ -179,14 +179,21 @@ def row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescr
     return descriptor
 
 
+def _launch_shape(tiles) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, warps, stages)`` of one kernel's ``TileShape``."""
+    return tiles.block_m, tiles.block_n, tiles.warps, tiles.stages
+
+
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, config, descriptors=None,
 ):  # fmt: skip
-    """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out contiguous). ``descriptors``: a memo of TMA descriptors (a dict) shared
-    with the backward's launches, or None."""
+    """Launch the forward kernel with the Triton launcher's arguments (q, k, v as
+    ``_rows_of_heads`` leaves them; out contiguous), on ``config.forward``'s tiles.
+    ``descriptors``: a memo of TMA descriptors (a dict) shared with the backward's launches, or
+    None."""
     total_q, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = _launch_shape(config.forward)
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
         out, lse, q_offsets, kv_offsets, work.packed_5W,
@@ -201,11 +208,13 @@ def launch_forward(
 
 def launch_dq(
     grid, q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, config, descriptors=None,
 ):  # fmt: skip
-    """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out and dout contiguous); it fills ``delta`` as well."""
+    """Launch the dQ kernel with the Triton launcher's arguments (q, k, v as
+    ``_rows_of_heads`` leaves them; out and dout contiguous), on ``config.dq``'s tiles; it
+    fills ``delta`` as well."""
     total_q, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = _launch_shape(config.dq)
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
         out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork.packed_5W,
@@ -220,11 +229,12 @@ def launch_dq(
 
 def launch_dkdv(
     grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, config, descriptors=None,
 ):  # fmt: skip
-    """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; dout contiguous)."""
+    """Launch the dK/dV kernel with the Triton launcher's arguments (q, k, v as
+    ``_rows_of_heads`` leaves them; dout contiguous), on ``config.dkdv``'s tiles."""
     total_q, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = _launch_shape(config.dkdv)
     args = (
         row_descriptor(q, block_m, descriptors), k, v, row_descriptor(dout, block_m, descriptors),
         lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork.packed_5W,
