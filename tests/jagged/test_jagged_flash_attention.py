@@ -446,8 +446,10 @@ def test_short_keys_dkdv_kernel_writes_dq(monkeypatch, causal, lk, checked, dq_l
         return t.fill_(math.nan) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-    counter = _LaunchCounter(jfa_triton._jfa_dq_kernel)
-    monkeypatch.setattr(jfa_triton, "_jfa_dq_kernel", counter)
+    from gem_jagged.ops.jagged_flash_attention.triton import dq as jfa_dq
+
+    counter = _LaunchCounter(jfa_dq._jfa_dq_kernel)  # a spy: counts, launches the kernel
+    monkeypatch.setattr(jfa_dq, "_jfa_dq_kernel", counter)
     lq = [70, 1, 45, 33]
     batch = JaggedBatch(offsets_from_lengths(lq), offsets_from_lengths(lk), validate=checked)
     _check_against_fp64(
