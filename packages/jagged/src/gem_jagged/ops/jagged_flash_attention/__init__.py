@@ -19,7 +19,7 @@ range and work lists (``gem_jagged.batch``). A plain tensor gets a batch built f
 code paths; without it ``config_for`` picks them from the device, dtype, head dim, keys per
 sequence and bias.
 
-``backend="auto"`` runs the Triton kernels (``triton.py``, and the Gluon kernels of ``hopper/``
+``backend="auto"`` runs the Triton kernels (``triton/``, and the Gluon kernels of ``hopper/``
 on sm_90) on CUDA tensors and the PyTorch reference (``reference.py``) on CPU tensors. The op is a
 ``torch.library`` custom op with a fake implementation and autograd (``_op.py``), so
 ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it (nothing in the Triton
