@@ -51,7 +51,6 @@ through TMA descriptors is never planned, so its column times the ordinary path.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -71,8 +70,15 @@ import common  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from attention_bench import Workload  # noqa: E402
-from gem_jagged import jagged_flash_attention  # noqa: E402
-from gem_jagged.ops.jagged_flash_attention import _op  # noqa: E402
+from gem_jagged import JaggedBatch, jagged_flash_attention  # noqa: E402
+from gem_jagged.ops.jagged_flash_attention.config import (  # noqa: E402
+    DqPlacement,
+    KernelImpl,
+    KeyLoads,
+    arch_of,
+    config_for,
+    regime_for,
+)
 
 HEADS, HEAD_DIM = 4, 128
 CANDIDATES = 64  # J3: keys per sample
@@ -97,12 +103,16 @@ def workloads(smoke: bool, only: tuple[str, ...] = ()) -> list[Workload]:
     return [w for w in found if not only or w.name in only]
 
 
-def project_fn(w, q, k, v, device, *, rel_bias_radius=None):
+def project_fn(w, q, k, v, device, *, rel_bias_radius=None, config=None, prebuilt=False):
     """The project's call; with ``rel_bias_radius`` R it also learns a relative bias
-    ``[N, 2R+1]`` (the trainer's setting; its gradient is part of the backward)."""
+    ``[N, 2R+1]`` (the trainer's setting; its gradient is part of the backward). ``config``: the
+    kernels' ``JaggedAttentionConfig`` (None: the op picks). ``prebuilt``: the call takes one
+    ``JaggedBatch`` built beforehand (a model's way) instead of offsets tensors."""
     q_off = common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
     hints = dict(max_q_len=int(w.q_lengths.max()), max_kv_len=int(w.kv_lengths.max()))
+    if prebuilt:
+        q_off, kv_off, hints = JaggedBatch(q_off, kv_off, **_batch_hints(hints)), None, {}
     backend = "triton"
     rel_bias = None
     if rel_bias_radius is not None:
@@ -112,11 +122,25 @@ def project_fn(w, q, k, v, device, *, rel_bias_radius=None):
 
     def fn(q, k, v):
         return jagged_flash_attention(
-            q, k, v, q_off, kv_off, causal=w.causal, rel_bias=rel_bias, backend=backend, **hints
-        )
+            q, k, v, q_off, kv_off, causal=w.causal, rel_bias=rel_bias, backend=backend,
+            config=config, **hints,
+        )  # fmt: skip
 
     fn.rel_bias = rel_bias  # for the sweep's check of every gradient
     return fn
+
+
+def _batch_hints(hints):
+    return dict(max_len=hints["max_q_len"], max_kv_len=hints["max_kv_len"])
+
+
+def default_config(w, rel_bias: bool, dtype):
+    """The config the op picks for ``w`` on this GPU (``config_for``)."""
+    return config_for(
+        arch=arch_of(torch.device("cuda")), dtype=dtype, head_dim=HEAD_DIM,
+        regime=regime_for(total_kv=int(w.kv_lengths.sum()), num_seqs=len(w.kv_lengths)),
+        rel_bias=rel_bias,
+    )  # fmt: skip
 
 
 def nested_fn(w, device):
@@ -403,102 +427,75 @@ def host_us(step, calls: int = 30) -> float:
     return elapsed / calls * 1e6
 
 
-@contextlib.contextmanager
-def forward_tma(w: Workload, enabled: bool):
-    """Run ``w``'s calls with the forward's K/V streamed through TMA descriptors or not."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
-    short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
-    table = jfa_triton.config_table(short_keys=short, rel_bias=False)
-    base = table[HEAD_DIM]
-    table[HEAD_DIM] = dataclasses.replace(base, fwd_tma=enabled)
-    try:
-        yield
-    finally:
-        table[HEAD_DIM] = base
-
-
-@contextlib.contextmanager
-def launch_plans(enabled: bool):
-    """Run calls with the eager launch plans (``jagged_flash_attention._plan``: a repeated
-    call goes straight to its kernel) or without (every call the ordinary way)."""
-    from gem_jagged.ops.jagged_flash_attention import _plan
-
-    key_of = _plan.key_of
-    if not enabled:
-        _plan.key_of = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        _plan.key_of = key_of
-
-
-def host_us_without_plans(step, *, rounds: int = 3) -> float:
-    """Host us per step with the launch plans off: the least of ``rounds`` measurements."""
-    with launch_plans(False):
-        return min(host_us(step) for _ in range(rounds))
-
-
-def host_us_by_forward_loads(w: Workload, step, rounds: int = 3) -> tuple[float, float]:
-    """Host us per step with the forward's K/V through TMA descriptors and by pointers: the
-    least of ``rounds`` alternating measurements each (a descriptor is encoded per launch)."""
-    times = {True: [], False: []}
+def host_us_by_forward_loads(w: Workload, q, k, v, do, backward, dtype, rounds: int = 3):
+    """Host us per step of the public function with the forward's K/V through TMA descriptors
+    and by pointers: the least of ``rounds`` alternating measurements each (a descriptor is
+    encoded per launch)."""
+    base = default_config(w, False, dtype)
+    times = {loads: [] for loads in KeyLoads}
     for _ in range(rounds):
-        for enabled in (True, False):
-            with forward_tma(w, enabled):
-                times[enabled].append(host_us(step))
-    return min(times[True]), min(times[False])
+        for loads in KeyLoads:
+            fn = project_fn(w, q, k, v, "cuda", config=dataclasses.replace(base, key_loads=loads))
+            times[loads].append(host_us(_step(fn, q, k, v, do, backward)))
+    return min(times[KeyLoads.TMA]), min(times[KeyLoads.POINTERS])
 
 
 def run_host_cost(dtype, only=()) -> None:
-    """Host cost per call against device time, this version (the forward's K/V through TMA
-    descriptors and by pointers; without launch plans) and the custom op rebuilding lists;
-    without a relative bias."""
-    from gem_jagged import _worklist
-
+    """Host cost per call against device time, eager: the public function with the forward's
+    K/V through TMA descriptors and by pointers (offsets tensors: a batch built per call), and
+    over a prebuilt ``JaggedBatch`` (its work lists built once); without a relative bias."""
     rows = []
     for w in workloads(False, only):
         q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
         public = project_fn(w, q, k, v, "cuda")
-        q_off = common.offsets_of(w.q_lengths, "cuda")
-        kv_off = common.offsets_of(w.kv_lengths, "cuda")
-        max_len = int(w.q_lengths.max())
-
-        def custom_op(q, k, v, q_off=q_off, kv_off=kv_off, max_len=max_len, causal=w.causal):
-            """The custom op, its work lists built on every call (no cache, no launch plans:
-            timed under ``launch_plans(False)``)."""
-            _worklist.clear_cache()
-            return _op.attention_forward(
-                q, k, v, q_off, kv_off, None, causal, HEAD_DIM**-0.5, max_len, "triton"
-            )[0]
-
+        prebuilt = project_fn(w, q, k, v, "cuda", prebuilt=True)
         for backward in (False, True):
             device_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms,
                                  graph=True)  # fmt: skip
             eager_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms)
             rows.append(
                 [w.name, "fwd+bwd" if backward else "fwd",
-                 *host_us_by_forward_loads(w, _step(public, q, k, v, do, backward)),
-                 host_us_without_plans(_step(public, q, k, v, do, backward)),
-                 host_us_without_plans(_step(custom_op, q, k, v, do, backward), rounds=1),
+                 *host_us_by_forward_loads(w, q, k, v, do, backward, dtype),
+                 min(host_us(_step(prebuilt, q, k, v, do, backward)) for _ in range(3)),
                  device_ms * 1e3, eager_ms * 1e3]
             )  # fmt: skip
     common.print_table(
         "host cost per call (CPU us to issue one step, no sync) against device time; no "
         "relative bias, whatever --rel-bias says",
         ["workload", "pass", "host us (public fn, fwd TMA)", "host us (public fn, fwd pointers)",
-         "host us (public fn, no launch plans)", "host us (custom op, lists rebuilt)",
-         "device us (graph replay)",
+         "host us (public fn, prebuilt JaggedBatch)", "device us (graph replay)",
          "eager us (median, synced)"],
         rows,
     )  # fmt: skip
 
 
+def _with(base, **changes):
+    """``base`` with ``changes``: ``fwd_…``, ``dkdv_…``, ``dq_…`` tile fields (``block_m``,
+    ``block_n``, ``warps``, ``stages``) of one kernel, or the config's own fields."""
+    kernels = {"fwd": "forward", "dkdv": "dkdv", "dq": "dq"}
+    tiles, own = {}, {}
+    for key, value in changes.items():
+        kernel, _, field = key.partition("_")
+        if kernel in kernels and field in ("block_m", "block_n", "warps", "stages"):
+            tiles.setdefault(kernels[kernel], {})[field] = value
+        else:
+            own[key] = value
+    for kernel, fields in tiles.items():
+        own[kernel] = dataclasses.replace(getattr(base, kernel), **fields)
+    return dataclasses.replace(base, **own)
+
+
 def _sweep_variants(base, workload: str):
-    r = dataclasses.replace
+    r = _with
+    tma, pointers = KeyLoads.TMA, KeyLoads.POINTERS
+    gluon, triton = KernelImpl.GLUON_HOPPER, KernelImpl.TRITON
+    on_tma = base.key_loads == tma
+    dkdv_gluon, dq_gluon = base.dkdv_impl == gluon, base.dq_impl == gluon
+    fwd_gluon = base.forward_impl == gluon
+    all_gluon = dict(forward_impl=gluon, dkdv_impl=gluon, dq_impl=gluon)
     variants = {
         "default": base,
-        "fwd+dq m128 w8, dkdv s3 (the default before, and the bias table's until 2026-11-30)": r(
+        "fwd+dq m128 w8, dkdv s3 (the default before, and the bias table's)": r(
             base, fwd_block_m=128, fwd_warps=8, dq_block_m=128, dq_warps=8, dkdv_stages=3
         ),
         "fwd s2": r(base, fwd_stages=2),
@@ -506,10 +503,10 @@ def _sweep_variants(base, workload: str):
         "fwd+dq n32": r(base, fwd_block_n=32, dq_block_n=32),
         "dkdv m32": r(base, dkdv_block_m=32),
         "dkdv s3": r(base, dkdv_stages=3),
-        "dq s2" if base.dq_stages > 2 else "dq s3": r(
-            base, dq_stages=2 if base.dq_stages > 2 else 3
+        "dq s2" if base.dq.stages > 2 else "dq s3": r(
+            base, dq_stages=2 if base.dq.stages > 2 else 3
         ),
-        "fwd tma" if not base.fwd_tma else "fwd pointers": r(base, fwd_tma=not base.fwd_tma),
+        "fwd pointers" if on_tma else "fwd tma": r(base, key_loads=pointers if on_tma else tma),
         "fwd m128 w8": r(base, fwd_block_m=128, fwd_warps=8),
         "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
         "fwd w8": r(base, fwd_warps=8),
@@ -520,49 +517,53 @@ def _sweep_variants(base, workload: str):
             dq_block_m=64,
             dq_warps=4,
             dkdv_stages=2,
-            fwd_tma=True,
+            key_loads=tma,
         ),
-        "fwd m64 w4 tma, dq as is": r(base, fwd_block_m=64, fwd_warps=4, fwd_tma=True),
+        "fwd m64 w4 tma, dq as is": r(base, fwd_block_m=64, fwd_warps=4, key_loads=tma),
         "bwd: dq m64 w4, dkdv s2": r(base, dq_block_m=64, dq_warps=4, dkdv_stages=2),
         "bwd: dq m64 w4": r(base, dq_block_m=64, dq_warps=4),
         "bwd: dkdv s2": r(base, dkdv_stages=2),
-        "dkdv triton" if base.dkdv_hopper else "dkdv hopper": r(
-            base, dkdv_hopper=not base.dkdv_hopper
+        "dkdv triton" if dkdv_gluon else "dkdv hopper": r(
+            base, dkdv_impl=triton if dkdv_gluon else gluon
         ),
-        "dq triton" if base.dq_hopper else "dq hopper": r(base, dq_hopper=not base.dq_hopper),
-        "fwd triton" if base.fwd_hopper else "fwd hopper": r(base, fwd_hopper=not base.fwd_hopper),
-        "all hopper, dkdv s3": r(
-            base, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True, dkdv_stages=3
+        "dq triton" if dq_gluon else "dq hopper": r(base, dq_impl=triton if dq_gluon else gluon),
+        "fwd triton" if fwd_gluon else "fwd hopper": r(
+            base, forward_impl=triton if fwd_gluon else gluon
         ),
-        "dkdv hopper s4": r(base, dkdv_hopper=True, dkdv_stages=4),
+        "all hopper, dkdv s3": r(base, **all_gluon, dkdv_stages=3),
+        "dkdv hopper s4": r(base, dkdv_impl=gluon, dkdv_stages=4),
         "dkdv hopper n64 w4 s2": r(
-            base, dkdv_hopper=True, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=2
+            base, dkdv_impl=gluon, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=2
         ),
         "dkdv hopper n64 w4 s3": r(
-            base, dkdv_hopper=True, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=3
+            base, dkdv_impl=gluon, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=3
         ),
         "dkdv hopper n128 w8 s2": r(
-            base, dkdv_hopper=True, dkdv_block_n=128, dkdv_warps=8, dkdv_stages=2
+            base, dkdv_impl=gluon, dkdv_block_n=128, dkdv_warps=8, dkdv_stages=2
         ),
-        "fwd hopper s2": r(base, fwd_hopper=True, fwd_stages=2),
-        "fwd hopper s4": r(base, fwd_hopper=True, fwd_stages=4),
-        "fwd hopper n128 s2": r(base, fwd_hopper=True, fwd_block_n=128, fwd_stages=2),
-        "fwd hopper m128 w8": r(base, fwd_hopper=True, fwd_block_m=128, fwd_warps=8),
+        "fwd hopper s2": r(base, forward_impl=gluon, fwd_stages=2),
+        "fwd hopper s4": r(base, forward_impl=gluon, fwd_stages=4),
+        "fwd hopper n128 s2": r(base, forward_impl=gluon, fwd_block_n=128, fwd_stages=2),
+        "fwd hopper m128 w8": r(base, forward_impl=gluon, fwd_block_m=128, fwd_warps=8),
         "fwd n32 (3 programs per SM)": r(base, fwd_block_n=32),
         "dq n32": r(base, dq_block_n=32),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
-            "dkdv m64 n64 w8 s2 (the J3 default until 2026-11-30)": r(
-                base, dkdv_block_m=64, dkdv_warps=8, dkdv_stages=2, dq_in_dkdv=False
-            ),
+            "dkdv m64 n64 w8 s2 (the J3 default before)": r(
+                base,
+                dkdv_block_m=64,
+                dkdv_warps=8,
+                dkdv_stages=2,
+                dq_placement=DqPlacement.OWN_KERNEL,
+            ),  # fmt: skip
             "dkdv s3": r(base, dkdv_stages=3),
             "dkdv s4": r(base, dkdv_stages=4),
             "dkdv m16": r(base, dkdv_block_m=16),
             "dkdv m16 s3": r(base, dkdv_block_m=16, dkdv_stages=3),
             "dkdv s3 w8": r(base, dkdv_stages=3, dkdv_warps=8),
             "dq kernel for every sequence, dkdv s4 (the J3 default before)": r(
-                base, dq_in_dkdv=False, dkdv_stages=4
+                base, dq_placement=DqPlacement.OWN_KERNEL, dkdv_stages=4
             ),
         }
     return variants
@@ -593,8 +594,6 @@ def run_sweep(dtype, only=(), rel_bias_radius=None, variants=()) -> None:
     """Device time (graph replay) of kernel configurations of the project (J1, J2, J3), with a
     relative bias of radius ``rel_bias_radius`` when given (as the main table); with
     ``variants``, only the default and the configurations whose names contain one of them."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
     rows = []
     for w in workloads(False, only):
         q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
@@ -602,15 +601,13 @@ def run_sweep(dtype, only=(), rel_bias_radius=None, variants=()) -> None:
             common.attention_flops(w.pairs(), heads=HEADS, head_dim=HEAD_DIM, backward=b)
             for b in (False, True)
         )
-        fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius)
-        short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
-        table = jfa_triton.config_table(short_keys=short, rel_bias=rel_bias_radius is not None)
-        base = table[HEAD_DIM]
-        want = _results(fn, q, k, v, do)
+        default_fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius)
+        base = default_config(w, rel_bias_radius is not None, dtype)
+        want = _results(default_fn, q, k, v, do)
         for name, cfg in _sweep_variants(base, w.name).items():
             if variants and name != "default" and not any(v in name for v in variants):
                 continue
-            table[HEAD_DIM] = cfg
+            fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius, config=cfg)
             try:
                 deviation = _worst_deviation(_results(fn, q, k, v, do), want)
                 t_f, t_b = (
@@ -624,8 +621,7 @@ def run_sweep(dtype, only=(), rel_bias_radius=None, variants=()) -> None:
                 [w.name, name, t_f, common.tflops(flops_f, t_f), t_b - t_f, t_b,
                  common.tflops(flops_b, t_b), deviation]
             )  # fmt: skip
-        table[HEAD_DIM] = base
-        print_kernel_profile(w.name, fn, q, k, v, do)
+        print_kernel_profile(w.name, default_fn, q, k, v, do)
     common.print_table(
         "kernel config sweep (device time: CUDA-graph replays of the public function"
         + ("" if rel_bias_radius is None else f", rel_bias R={rel_bias_radius}")
