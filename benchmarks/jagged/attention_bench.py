@@ -31,6 +31,8 @@ class Workload:
     kv_lengths: np.ndarray
     causal: bool
     pma: bool = False
+    heads: int = 4  # docs/workloads.md: J1–J5 4 heads of 128, J6 8 of 64, J7 4 of 64
+    head_dim: int = 128
 
     def pairs(self) -> int:
         """Real (query, key) pairs: causal self-attention counts the lower triangle."""
@@ -38,10 +40,15 @@ class Workload:
         return common.attention_pairs(self.q_lengths, kv, causal=self.causal)
 
 
+def device_and_dtype():
+    """("cuda", bf16) on a GPU; ("cpu", fp16) through the Triton interpreter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, torch.bfloat16 if device == "cuda" else torch.float16
+
+
 def setup(smoke: bool, heads: int, head_dim: int):
     """(device, dtype, heads, head_dim): bf16 on a GPU; fp16, 2 heads of 32 in smoke mode."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    device, dtype = device_and_dtype()
     return (device, dtype, heads, head_dim) if not smoke else (device, dtype, 2, 32)
 
 
@@ -220,5 +227,67 @@ def padded_sdpa_fn(*, causal: bool, key_mask=None):
             lq, lk = q.shape[2], k.shape[2]
             mask = mask & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return fn
+
+
+# FlashAttention-4 (``flash-attn-4``, CuTe DSL; forward and backward on sm_90 and sm_100) is the
+# strongest public softmax kernel on Hopper (docs/workloads.md). It is not a dependency of the
+# project: where it is not installed the anchor reads NaN and says why, once.
+_FA4_IMPORT_ERROR: list[str] = []
+
+
+def fa4_varlen():
+    """FlashAttention-4's ``flash_attn_varlen_func``, or None (and the reason, printed once)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as exc:  # ImportError, or a CuTe DSL runtime that cannot load
+        if not _FA4_IMPORT_ERROR:
+            _FA4_IMPORT_ERROR.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            print(f"  FlashAttention-4 unavailable ({_FA4_IMPORT_ERROR[0]}); its columns read NaN")
+        return None
+    return flash_attn_varlen_func
+
+
+def _cu_seqlens(lengths, device) -> torch.Tensor:
+    return common.offsets_of(lengths, device).to(torch.int32)
+
+
+def fa4_fn(w: Workload, device, *, scale: float | None = None):
+    """FlashAttention-4 on the packed ``[T, N, D]`` tensors (``cu_seqlens`` int32, causal
+    bottom-right aligned as the project's), or None where it is not installed or not a GPU."""
+    varlen = fa4_varlen() if torch.cuda.is_available() and not w.pma else None
+    if varlen is None:
+        return None
+    cu_q, cu_k = _cu_seqlens(w.q_lengths, device), _cu_seqlens(w.kv_lengths, device)
+    max_q, max_k = int(max(np.max(w.q_lengths), 1)), int(max(np.max(w.kv_lengths), 1))
+
+    def fn(q, k, v):
+        out = varlen(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+            max_seqlen_k=max_k, causal=w.causal, softmax_scale=scale,
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out  # (out, lse) in some versions
+
+    return fn
+
+
+def torch_varlen_fn(w: Workload, device):
+    """``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch) on the packed
+    tensors, or None where this PyTorch has no varlen attention or there is no GPU."""
+    if not torch.cuda.is_available() or w.pma:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    cu_q, cu_k = _cu_seqlens(w.q_lengths, device), _cu_seqlens(w.kv_lengths, device)
+    max_q, max_k = int(max(np.max(w.q_lengths), 1)), int(max(np.max(w.kv_lengths), 1))
+    window = (-1, 0) if w.causal else (-1, -1)
+    if w.causal and not np.array_equal(w.q_lengths, w.kv_lengths):
+        return None  # its causal window is top-left aligned for Lq != Lk; the project's is not
+
+    def fn(q, k, v):
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window)
 
     return fn

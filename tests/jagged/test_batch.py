@@ -79,6 +79,28 @@ def test_strided_offsets_are_copied_contiguous():
     assert batch.offsets.is_contiguous() and torch.equal(batch.offsets, strided)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_op_reads_strided_offsets_as_their_values(backend):
+    """A strided view (``x[::2]``) as offsets: the kernels index a contiguous copy, never the
+    view's storage as if it were contiguous."""
+    q, k, v = _qkv(17, seed=2)
+    contiguous = offsets_from_lengths(LENGTHS)
+    strided = torch.stack([contiguous, torch.full_like(contiguous, -7)], 1).reshape(-1)[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, contiguous)
+    for op in (
+        lambda o: jagged_flash_attention(q, k, v, o, causal=True, backend=backend),
+        lambda o: gdpa(q, k, v, o, causal=True, backend=backend),
+        lambda o: block_attention(q, k, v, o, block_size=4, backend=backend),
+    ):
+        want = op(contiguous)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+        got = op(strided)
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_memo_builds_once_per_key_and_goes_with_the_batch():
     batch = JaggedBatch(offsets_from_lengths(LENGTHS))
     builds = []

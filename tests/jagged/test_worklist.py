@@ -107,17 +107,19 @@ def test_key_tiles_split_the_query_range_without_gaps(lq, causal, split, max_spl
         assert all(n == len(counts) for n in counts)
 
 
-def test_ranking_kernel_orders_exactly_like_a_stable_sort(monkeypatch):
+def test_ranking_kernel_orders_exactly_like_a_stable_sort():
     """The heaviest-first order of the O(W²) ranking kernel equals a stable descending sort's,
     across program boundaries and comparison chunks, with many ties (equal lengths)."""
-    lengths = [100, 37, 100, 0, 1, 250, 100, 16, 17, 100, 600, 33] * 6
+    lengths = [100, 37, 100, 0, 1, 250, 100, 16, 17, 100, 600, 33] * 12
     off = offsets_from_lengths(lengths)
-    ranked = key_tiles(off, total_kv=sum(lengths), block=16, causal=True, split_rows=64,
-                       max_splits=3)  # fmt: skip
-    assert ranked.num_slots > 2 * _worklist._RANK_OTHERS
-    monkeypatch.setattr(_worklist, "_RANK_MAX_SLOTS", 0)
-    sorted_ = key_tiles(off, total_kv=sum(lengths), block=16, causal=True, split_rows=64,
-                        max_splits=3)  # fmt: skip
+    fields_FT, cost_T = _worklist._tile_slots(
+        off, off, total=sum(lengths), block=16, causal=True, key_tiles_=True, align=1,
+        split_rows=1 << 30, max_splits=1,
+    )  # fmt: skip
+    assert cost_T.shape[0] > 2 * _worklist._RANK_OTHERS
+    assert len(set(cost_T.tolist())) < cost_T.shape[0] // 4  # ties across program boundaries
+    ranked = _worklist._ranked(fields_FT, cost_T, 16)
+    sorted_ = _worklist._argsorted(fields_FT, cost_T, 16)
     assert torch.equal(ranked.packed_5W, sorted_.packed_5W)
 
 

@@ -360,7 +360,7 @@ def _gem_small() -> TrainConfig:
     cfg.data = DataConfig(batch_size=64, sub_batch_size=16)  # J1 lengths
     # 2.1M rows of 128: a dense AdamW step reads and writes them all (about 7 ms of an 80 ms
     # step on the H200); the fused row-wise Adagrad touches a batch's rows only. Its rate is the
-    # best of 0.003 / 0.02 / 0.1 on tiny (docs/performance.md).
+    # best of 0.003 / 0.02 / 0.1 on tiny (docs/history/performance.md has the sweep).
     cfg.optim = OptimConfig(
         lr=1e-3, warmup_steps=50, embedding_optimizer="rowwise_adagrad", embedding_lr=0.1
     )

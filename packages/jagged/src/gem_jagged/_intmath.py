@@ -1,9 +1,9 @@
 """Integer helpers for host code (grids, block sizes).
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are ``constexpr_function`` objects: called from
-Python they unwrap every argument first, about 4 µs a call on the CI machine and 8-10 on the
-H200 machine's host, where an fp8 linear's forward + backward made a dozen such calls
-(docs/performance.md, 2026-11-30). These give the same integers for plain ints.
+Python they unwrap every argument first, several microseconds a call, and an fp8 linear's
+forward + backward makes a dozen such calls (``docs/design/jagged.md`` has the measurement).
+These give the same integers for plain ints.
 """
 
 

@@ -5,8 +5,8 @@ integer equal to 1 or divisible by 16, a pointer aligned to 16 bytes. For stride
 counts, fixed per model, that knowledge lets the compiler vectorise loads and is worth a variant.
 Token counts, sequence counts and work-list sizes change with every jagged batch: specialising on
 them compiled a fresh variant of an attention kernel (a few hundred ms of host time) whenever a
-batch landed on a combination not seen before. On the H200 that made a training step of
-gem-small 5–10× slower than its kernels for dozens of steps (docs/performance.md, 2026-11-29).
+batch landed on a combination not seen before, and a training step of gem-small then ran
+several times slower than its kernels for dozens of steps (``docs/design/jagged.md``).
 
 Every kernel of the package is declared through this ``jit``, which leaves the arguments with
 the names below unspecialised (names absent from a kernel's signature are ignored). The work

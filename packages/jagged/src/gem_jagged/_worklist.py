@@ -78,8 +78,8 @@ class TileWorkList:
 
     packed_5W: torch.Tensor
     block: int
-    # The five row views, made once: a remembered list serves many launches, and making a view
-    # costs 5-10 us of host time on an H200 host (docs/performance.md, 2026-11-30, tenth session).
+    # The five row views, made once: a remembered list serves many launches, and each view
+    # costs microseconds of host time.
     _rows: tuple[torch.Tensor, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -308,10 +308,8 @@ def _rank_scatter_kernel(
     A slot's rank counts the slots that go before it: heavier ones, and equally heavy ones with
     a smaller index (a stable order). Every program ranks ``MINE`` slots against all the others,
     ``OTHERS`` at a time: O(W²) comparisons in one launch, cheaper than a sort plus a gather for
-    the few thousand slots of a batch. Programs are kept small so that the launch spreads over
-    the SMs: with 128 slots a program (7 programs for J1's 896 slots) one launch took 24 us on
-    an H200, 5% of J1's forward + backward when the lists are rebuilt (docs/performance.md,
-    2026-12-01).
+    the few thousand slots of a batch. Programs are kept small (``_RANK_MINE`` slots each) so that the
+    launch spreads over the SMs instead of running as a few long programs.
     """
     slots_M = tl.program_id(0) * MINE + tl.arange(0, MINE)
     in_range_M = slots_M < num_slots
@@ -338,10 +336,18 @@ _RANK_MAX_SLOTS = 32768
 
 def _sorted(fields_FW, cost_W, block) -> TileWorkList:
     """Order the slots heaviest first (stable, so equal costs keep their order)."""
+    if cost_W.shape[0] > _RANK_MAX_SLOTS:
+        return _argsorted(fields_FW, cost_W, block)
+    return _ranked(fields_FW, cost_W, block)
+
+
+def _argsorted(fields_FW, cost_W, block) -> TileWorkList:
+    order_W = torch.argsort(cost_W, descending=True, stable=True)
+    return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
+
+
+def _ranked(fields_FW, cost_W, block) -> TileWorkList:
     num_slots = cost_W.shape[0]
-    if num_slots > _RANK_MAX_SLOTS:
-        order_W = torch.argsort(cost_W, descending=True, stable=True)
-        return TileWorkList(fields_FW[:5].index_select(1, order_W), block)
     out_5W = torch.empty(5, num_slots, dtype=torch.int32, device=cost_W.device)
     grid = (cdiv(num_slots, _RANK_MINE),)
     _rank_scatter_kernel[grid](

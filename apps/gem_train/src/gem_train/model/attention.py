@@ -84,10 +84,12 @@ class HistorySelfAttention(nn.Module):
         rel_bias_radius: int,
         block_size: int,
         rope_theta: float,
+        sdpa_call_elements: int = SDPA_CALL_ELEMENTS,
     ):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, d_model // n_heads
         self.kind, self.block_size, self.rope_theta = kind, block_size, rope_theta
+        self.sdpa_call_elements = sdpa_call_elements
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.rel_bias = (
@@ -117,7 +119,7 @@ class HistorySelfAttention(nn.Module):
         """SDPA on the batch padded to its longest history, with the causal + relative-bias mask.
 
         The call is split over samples and heads so that no call spans more than
-        ``SDPA_CALL_ELEMENTS`` score entries. The memory-efficient kernel (the fused one that
+        ``sdpa_call_elements`` score entries. The memory-efficient kernel (the fused one that
         takes a float mask) materialises the mask's gradient per sample and head,
         ``[B, N, L, L]``: 97 GB for one gem-small batch (80 × 8 × 8704²) in a single call, which
         died on the H200 with an illegal memory access; a call of 4 × 8 × 8704² ran clean there,
@@ -130,8 +132,8 @@ class HistorySelfAttention(nn.Module):
         q_B, k_B, v_B = (t.transpose(1, 2) for t in (q_B, k_B, v_B))  # [B, N, L, H]
         batch, heads = q_B.shape[:2]
         square = max(1, length * length)
-        heads_per_call = max(1, min(heads, SDPA_CALL_ELEMENTS // square))
-        samples_per_call = max(1, SDPA_CALL_ELEMENTS // (heads_per_call * square))
+        heads_per_call = max(1, min(heads, self.sdpa_call_elements // square))
+        samples_per_call = max(1, self.sdpa_call_elements // (heads_per_call * square))
         causal_LL = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         causal = torch.zeros(length, length, dtype=q.dtype, device=q.device)
         causal = causal.masked_fill(~causal_LL, float("-inf"))
