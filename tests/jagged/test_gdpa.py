@@ -320,14 +320,17 @@ def test_torch_compile_fullgraph_cpu_reference():
 
 BAD_INPUTS = {
     "offsets not 1-D": (dict(q_offsets=lambda o: o[None]), "must be 1-D"),
-    "offsets not from 0": (dict(q_offsets=lambda o: o + 1), r"q_offsets\[0\] must be 0"),
+    "offsets not from 0": (
+        dict(q_offsets=lambda o: o + 1),
+        r"offsets\[0\] must be 0, got 1",
+    ),
     "decreasing offsets": (
         dict(q_offsets=lambda o: torch.tensor([0, 6, 4, 8])),
         "non-decreasing",
     ),
     "last offset != tokens": (
         dict(q_offsets=lambda o: torch.tensor([0, 2, 4, 7])),
-        "must equal the number of tokens 8",
+        r"q_offsets\[-1\] = 7 must equal the number of tokens of q \(8\)",
     ),
     "float offsets": (dict(q_offsets=lambda o: o.float()), "int32 or int64"),
     "dtype mismatch": (dict(k=lambda t: t.double()), "k has dtype torch.float64"),
@@ -349,7 +352,7 @@ BAD_INPUTS = {
     ),
     "cross batch mismatch": (
         dict(kv_offsets=lambda o: torch.tensor([0, 8])),
-        "same number of sequences",
+        "kv_offsets has 1 sequences but offsets has 3; they must match",
     ),
     "rel_bias shape": (dict(rel_bias=torch.zeros(2, 4)), "rel_bias must have shape"),
     "backend": (dict(backend="cuda"), "backend must be one of"),
