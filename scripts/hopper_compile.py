@@ -43,7 +43,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SM_COUNT = 132  # H200
-FAKE_CUDA = torch.device("cuda", 0)
 
 
 class _OfflineHopper(CudaDriver):
@@ -107,18 +106,10 @@ class _Patches:
 
 def gpu_configs() -> _Patches:
     """The ops pick tiles and code paths by device type; have them pick the GPU's."""
-    from gem_jagged.ops.gdpa import triton as gdpa
     from gem_jagged.ops.jagged_flash_attention import hopper
 
-    tiles_for, act_code = gdpa.default_tiles, gdpa.activation_code
     properties = type("Properties", (), {"multi_processor_count": SM_COUNT})()
     return _Patches(
-        (
-            gdpa,
-            "default_tiles",
-            lambda device, hd, dtype, **kw: tiles_for(FAKE_CUDA, hd, dtype, **kw),
-        ),
-        (gdpa, "activation_code", lambda act, dtype, device: act_code(act, dtype, FAKE_CUDA)),
         (hopper, "on_hopper", lambda t: True),  # the rest of hopper.supported as it is
         (torch.cuda, "get_device_properties", lambda device=None: properties),
     )
@@ -230,11 +221,22 @@ def _jfa_hopper():
     return run
 
 
+def _gdpa_tiles(q, rel_bias):
+    """The GPU's GDPA tiles (and sigmoid form) for q, asked for explicitly."""
+    from gem_jagged.ops.gdpa import regime_for, tiles_for
+
+    regime = regime_for(rel_bias_NB=rel_bias)
+    return tiles_for(arch="cuda", dtype=q.dtype, head_dim=q.shape[2], regime=regime)
+
+
 def _gdpa(q, k, v, offsets, *, rel_bias: bool):
     from gem_jagged import gdpa
 
     bias = torch.randn(4, 65, requires_grad=True) if rel_bias else None
-    return gdpa(q, k, v, offsets, activation="silu", causal=True, rel_bias=bias, backend="triton")
+    return gdpa(
+        q, k, v, offsets, activation="silu", causal=True, rel_bias=bias, backend="triton",
+        tiles=_gdpa_tiles(q, bias),
+    )  # fmt: skip
 
 
 def _gdpa_cross(q, k, v, offsets):
@@ -243,7 +245,10 @@ def _gdpa_cross(q, k, v, offsets):
 
     batch = offsets.numel() - 1
     kv_offsets = torch.arange(batch + 1, dtype=offsets.dtype) * 64
-    return gdpa(q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton")
+    return gdpa(
+        q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton",
+        tiles=_gdpa_tiles(q, None),
+    )  # fmt: skip
 
 
 def _block_attention(q, k, v, offsets):
