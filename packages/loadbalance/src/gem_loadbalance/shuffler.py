@@ -29,11 +29,14 @@ The target
 Determinism and resume
     The batches depend only on the stream and the configuration; ``seed`` only permutes the samples
     inside each emitted batch (per-step generator, so no generator state needs saving).
-    ``state_dict()`` records the step, how far the source was read, which stream positions sit in
-    the pool and their costs, the estimator's sums and the delay histogram; a shuffler rebuilt
-    over the same source and given ``load_state_dict(state)`` re-reads the source from its start
-    up to that point (samples are opaque and never serialized) and then continues with exactly
-    the batches the uninterrupted run would have produced.
+    ``state_dict()`` records the step, how far the source was read, a digest of what was read
+    (``gem_loadbalance.state``), which stream positions sit in the pool and their costs, the
+    estimator's sums and the delay histogram; a shuffler rebuilt over the same source and given
+    ``load_state_dict(state)`` re-reads the source from its start up to that point (samples are
+    opaque and never serialized) and then continues with exactly the batches the uninterrupted
+    run would have produced. Every field is checked on load and again against what the replay
+    re-reads, so a state over another source, or a corrupt one, is refused with the field named
+    instead of resuming into different batches.
 """
 
 from collections.abc import Callable, Iterable, Iterator
@@ -42,10 +45,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .local_batch import batch_target, deadline_floor, plan_local_batch
+from .state import STATE_VERSION, SourceDigest, check_state
 
 __all__ = ["ShufflerConfig", "ShufflerStats", "BaseBatchShuffler"]
-
-_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,7 @@ class BaseBatchShuffler:
         self._step = 0
         self._consumed_samples = 0
         self._consumed_sub_batches = 0
+        self._digest = SourceDigest()
         self._pool = _Pool()
         self._cost_sum = 0.0
         self._cost_count = 0
@@ -214,11 +217,12 @@ class BaseBatchShuffler:
     def state_dict(self) -> dict:
         """The state after the most recently yielded batch (plain Python types only)."""
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "config": asdict(self.config),
             "step": self._step,
             "consumed_samples": self._consumed_samples,
             "consumed_sub_batches": self._consumed_sub_batches,
+            "source_digest": self._digest.hexdigest(),
             "pool_positions": self._pool_view().positions.tolist(),
             "pool_costs": self._pool_view().costs.tolist(),
             "cost_sum": self._cost_sum,
@@ -232,21 +236,13 @@ class BaseBatchShuffler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` on the next ``iter()`` (which re-reads the source up to it).
 
-        ``ValueError`` for a state not saved by ``state_dict()`` (or of another version), saved
-        under another configuration, or corrupt.
+        ``ValueError`` naming the key or field for a state not saved by ``state_dict()`` (or of
+        another version), lacking a key, saved under another configuration, or with a field of
+        the wrong type, out of range or inconsistent (``gem_loadbalance.state.check_state``).
+        What can only be checked against the source (``source_digest``, ``pool_costs``,
+        ``cost_sum``) raises at the next ``iter()``, while the source is re-read.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"state must be a dict saved by state_dict() (version {_STATE_VERSION})"
-            )
-        if state["config"] != asdict(self.config):
-            raise ValueError(
-                f"state was saved with config {state['config']}, this shuffler has "
-                f"{asdict(self.config)}"
-            )
-        if len(state["pool_positions"]) != len(state["pool_costs"]):
-            raise ValueError("state is corrupt: pool_positions and pool_costs differ in length")
-        self._resume_from = dict(state)
+        self._resume_from = check_state(state, config=asdict(self.config))
 
     def stats(self) -> ShufflerStats:
         """Batches and samples emitted so far, the delay histogram and the last batch's target."""
@@ -289,15 +285,17 @@ class BaseBatchShuffler:
         self._pool.add(np.arange(start, start + len(samples), dtype=np.int64), costs, samples)
         self._consumed_samples += len(samples)
         self._consumed_sub_batches += 1
+        self._digest.update(costs)
         self._cost_sum += float(costs.sum())
         self._cost_count += costs.size
         return True
 
     def _replay(self, source: Iterator, state: dict) -> None:
-        """Re-read the source up to the saved point and rebuild the pool from saved positions."""
+        """Re-read and re-price the source up to the saved point, check it against ``state`` and
+        rebuild the pool from the saved positions."""
         self._reset()
         wanted = state["pool_positions"]
-        position, cursor = 0, 0
+        position, cursor, pool_costs = 0, 0, []
         for n in range(state["consumed_sub_batches"]):
             try:
                 sub_batch = next(source)
@@ -306,9 +304,14 @@ class BaseBatchShuffler:
                     f"the source ended after {n} sub-batches but the state was saved after "
                     f"{state['consumed_sub_batches']}: it is not the same source"
                 ) from None
-            for sample in sub_batch:
+            samples = list(sub_batch)
+            costs = self._price(sub_batch, samples)
+            self._digest.update(costs)
+            self._cost_sum += float(costs.sum())
+            for sample, cost in zip(samples, costs.tolist(), strict=True):
                 if cursor < len(wanted) and wanted[cursor] == position:
                     self._pool.samples.append(sample)
+                    pool_costs.append(cost)
                     cursor += 1
                 position += 1
         if position != state["consumed_samples"] or cursor != len(wanted):
@@ -316,17 +319,34 @@ class BaseBatchShuffler:
                 f"replaying the source gave {position} samples, the state expects "
                 f"{state['consumed_samples']}: it is not the same source"
             )
+        if self._digest.hexdigest() != state["source_digest"]:
+            raise ValueError(
+                f"state field 'source_digest' is {state['source_digest']} but re-reading the "
+                f"source gives {self._digest.hexdigest()}: it is not the same source (or its "
+                "samples are priced differently)"
+            )
+        differ = np.flatnonzero(np.asarray(pool_costs) != np.asarray(state["pool_costs"]))
+        if differ.size:
+            i = int(differ[0])
+            raise ValueError(
+                f"state field 'pool_costs' is corrupt: position {wanted[i]} costs "
+                f"{pool_costs[i]} in the source, {state['pool_costs'][i]} in the state"
+            )
+        if self._cost_sum != state["cost_sum"]:
+            raise ValueError(
+                f"state field 'cost_sum' is {state['cost_sum']} but the source re-read sums to "
+                f"{self._cost_sum}"
+            )
         self._pool.positions = np.asarray(wanted, dtype=np.int64)
-        self._pool.costs = np.asarray(state["pool_costs"], dtype=np.float64)
+        self._pool.costs = np.asarray(pool_costs, dtype=np.float64)
         self._step = state["step"]
         self._consumed_samples = state["consumed_samples"]
         self._consumed_sub_batches = state["consumed_sub_batches"]
-        self._cost_sum = float(state["cost_sum"])
-        self._cost_count = int(state["cost_count"])
-        self._delay_counts = {int(k): int(v) for k, v in state["delay_counts"].items()}
-        self._emitted = int(state["emitted"])
-        self._last_target = float(state["last_target"])
-        self._last_cost = float(state["last_cost"])
+        self._cost_count = state["cost_count"]
+        self._delay_counts = dict(state["delay_counts"])
+        self._emitted = state["emitted"]
+        self._last_target = state["last_target"]
+        self._last_cost = state["last_cost"]
 
     def _mean_cost(self) -> float:
         cfg = self.config
