@@ -18,14 +18,18 @@ How a step is formed
 The target
     ``count · mean_cost``, moved toward the pool's excess but clipped to ``headroom`` either side
     (``local_batch.batch_target``), and raised when heavy samples pile up near their delay limit
-    (``local_batch.deadline_floor``). ``mean_cost`` is a running estimate over every sample this rank
-    has read. All ranks estimate the same value, but with heavy tails the estimates of different
-    ranks disagree by several percent for the first hundreds of steps (relative error about
-    cost CV / sqrt(samples read)), and that disagreement is imbalance; give ``expected_cost``
-    (``expected_sample_cost`` over a sample of lengths every rank reads alike, e.g. dataset
-    metadata) to make them agree from the first step, weighted as ``prior_weight`` samples.
+    (``local_batch.deadline_floor``). Every rank must hold the same ``mean_cost``, or the ranks
+    aim at different targets and that disagreement is imbalance. Three ways to get it:
+    ``expected_cost`` (``expected_sample_cost`` over lengths every rank reads alike, e.g. dataset
+    metadata), mixed with this rank's reads as if it were ``prior_weight`` samples (``inf``:
+    fixed); otherwise ``calibration="agree"`` (the default): one all-reduce of the first
+    look-ahead's cost over the ranks (``gem_loadbalance.agreement``), kept fixed for the run;
+    or ``calibration="running"``, each rank's own running estimate, which disagrees across
+    ranks by about cost CV / sqrt(samples read) for hundreds of steps. ``headroom`` (0.5% by
+    default) bounds the heaviest rank at ``1 + headroom`` times neutral; so tight a clip needs
+    ``max_delay=4`` (the default) so that a burst of heavy samples can leave over enough batches.
     ``python -m gem_loadbalance.simulate`` measures how much of the improvement a global
-    repartition would give this captures (workload B1).
+    repartition would give each of these captures (workload B1).
 Determinism and resume
     The batches depend only on the stream and the configuration; ``seed`` only permutes the samples
     inside each emitted batch (per-step generator, so no generator state needs saving).
@@ -44,6 +48,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .agreement import agree_on_mean
 from .local_batch import batch_target, deadline_floor, plan_local_batch
 from .state import STATE_VERSION, SourceDigest, check_state
 
@@ -56,11 +61,12 @@ class ShufflerConfig:
 
     local_batch_size: int
     lookahead: int = 2
-    max_delay: int = 2
-    headroom: float = 0.01
+    max_delay: int = 4
+    headroom: float = 0.005
     gain: float = 1.0
     expected_cost: float | None = None
     prior_weight: float = float(2**20)
+    calibration: str = "agree"
     seed: int = 0
     drop_last: bool = False
 
@@ -77,10 +83,14 @@ class ShufflerConfig:
             raise ValueError(
                 f"lookahead and max_delay must be >= 0, got {self.lookahead} and {self.max_delay}"
             )
-        for name in ("headroom", "gain", "prior_weight"):
+        for name in ("headroom", "gain"):
             value = float(getattr(self, name))
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not float(self.prior_weight) >= 0:
+            raise ValueError(f"prior_weight must be >= 0 (inf: fixed), got {self.prior_weight}")
+        if self.calibration not in ("agree", "running"):
+            raise ValueError(f"calibration must be 'agree' or 'running', got {self.calibration!r}")
         if self.expected_cost is not None:
             value = float(self.expected_cost)
             if not np.isfinite(value) or value <= 0:
@@ -150,15 +160,22 @@ class BaseBatchShuffler:
         headroom: the target's clip either side of neutral, a fraction (≥ 0).
         gain: the share of the pool's excess cost the target moves by (≥ 0).
         expected_cost: a shared expected cost of a sample (> 0), e.g.
-            ``expected_sample_cost`` over lengths every rank reads alike; None: the running
-            estimate alone.
-        prior_weight: how many samples ``expected_cost`` counts for in the running estimate.
+            ``expected_sample_cost`` over lengths every rank reads alike; None: ``calibration``
+            decides.
+        prior_weight: how many samples ``expected_cost`` counts for in the running estimate
+            (≥ 0; ``float("inf")``: ``expected_cost`` is used as is).
+        calibration: without ``expected_cost``, ``"agree"`` (one all-reduce of the first
+            look-ahead's cost sum and count over ``group`` before the first batch, then fixed;
+            every rank must iterate) or ``"running"`` (each rank's own running estimate).
+        group: the ``torch.distributed`` process group of ``"agree"``; None: the default group
+            when ``torch.distributed`` is initialized, else this process alone. Not saved.
         drop_last: drop a short final batch.
 
     Yields lists of samples. Raises ``ValueError`` (or ``TypeError`` for a wrong type) for a bad
     option, both or neither of ``cost`` / ``sub_batch_cost``, a source that is not iterable, a
     pricing function that returns the wrong number of costs or negative ones, a batch that
-    cannot be formed under ``max_delay``, and (on resume) a source that is not the saved one.
+    cannot be formed under ``max_delay``, ``calibration="agree"`` inside a ``DataLoader`` worker
+    of a distributed job, and (on resume) a state or a source that is not the saved one.
     """
 
     def __init__(
@@ -170,11 +187,13 @@ class BaseBatchShuffler:
         local_batch_size: int,
         seed: int = 0,
         lookahead: int = 2,
-        max_delay: int = 2,
-        headroom: float = 0.01,
+        max_delay: int = 4,
+        headroom: float = 0.005,
         gain: float = 1.0,
         expected_cost: float | None = None,
         prior_weight: float = float(2**20),
+        calibration: str = "agree",
+        group=None,
         drop_last: bool = False,
     ):
         if (cost is None) == (sub_batch_cost is None):
@@ -191,12 +210,14 @@ class BaseBatchShuffler:
             gain=gain,
             expected_cost=None if expected_cost is None else float(expected_cost),
             prior_weight=float(prior_weight),
+            calibration=calibration,
             seed=seed,
             drop_last=drop_last,
         )
         self._sub_batches = sub_batches
         self._cost = cost
         self._sub_batch_cost = sub_batch_cost
+        self._group = group
         self._reset()
         self._resume_from: dict | None = None
 
@@ -209,6 +230,7 @@ class BaseBatchShuffler:
         self._pool = _Pool()
         self._cost_sum = 0.0
         self._cost_count = 0
+        self._agreed_cost: float | None = None
         self._delay_counts: dict[int, int] = {}
         self._emitted = 0
         self._last_target = 0.0
@@ -227,6 +249,7 @@ class BaseBatchShuffler:
             "pool_costs": self._pool_view().costs.tolist(),
             "cost_sum": self._cost_sum,
             "cost_count": self._cost_count,
+            "agreed_cost": self._agreed_cost,
             "delay_counts": {int(k): int(v) for k, v in self._delay_counts.items()},
             "emitted": self._emitted,
             "last_target": self._last_target,
@@ -343,6 +366,7 @@ class BaseBatchShuffler:
         self._consumed_samples = state["consumed_samples"]
         self._consumed_sub_batches = state["consumed_sub_batches"]
         self._cost_count = state["cost_count"]
+        self._agreed_cost = state["agreed_cost"]
         self._delay_counts = dict(state["delay_counts"])
         self._emitted = state["emitted"]
         self._last_target = state["last_target"]
@@ -350,10 +374,23 @@ class BaseBatchShuffler:
 
     def _mean_cost(self) -> float:
         cfg = self.config
-        if cfg.expected_cost is None:
-            return self._cost_sum / self._cost_count if self._cost_count else 0.0
-        weight = cfg.prior_weight
-        return (weight * cfg.expected_cost + self._cost_sum) / (weight + self._cost_count)
+        if cfg.expected_cost is not None:
+            weight = cfg.prior_weight
+            if np.isinf(weight):
+                return cfg.expected_cost
+            return (weight * cfg.expected_cost + self._cost_sum) / (weight + self._cost_count)
+        if self._agreed_cost is not None:
+            return self._agreed_cost
+        return self._cost_sum / self._cost_count if self._cost_count else 0.0
+
+    def _agree_once(self) -> None:
+        """Before the first batch: every rank's mean over the first look-ahead, all-reduced."""
+        cfg = self.config
+        if cfg.expected_cost is None and cfg.calibration == "agree" and self._step == 0:
+            if self._agreed_cost is None:
+                self._agreed_cost = agree_on_mean(
+                    self._cost_sum, self._cost_count, group=self._group
+                )
 
     # ----------------------------------------------------------------------------- batches
     def __iter__(self) -> Iterator[list]:
@@ -373,6 +410,7 @@ class BaseBatchShuffler:
             horizon = (self._step + cfg.lookahead + 1) * size
             while not exhausted and self._consumed_samples < horizon:
                 exhausted = not self._read_one(source)
+            self._agree_once()
             pool = self._pool_view()
             if not pool.positions.size:
                 return

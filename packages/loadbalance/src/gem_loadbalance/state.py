@@ -22,7 +22,7 @@ STATE_VERSION = 2
 STATE_KEYS = (
     "version", "config", "step", "consumed_samples", "consumed_sub_batches", "source_digest",
     "pool_positions", "pool_costs", "cost_sum", "cost_count", "delay_counts", "emitted",
-    "last_target", "last_cost",
+    "last_target", "last_cost", "agreed_cost",
 )  # fmt: skip
 _COUNTS = ("step", "consumed_samples", "consumed_sub_batches", "cost_count", "emitted")
 _AMOUNTS = ("cost_sum", "last_target", "last_cost")
@@ -97,6 +97,8 @@ def check_state(state, *, config: dict) -> dict:
             f"state field 'source_digest' must be a 32-character hex string, got {digest!r}"
         )
     out["source_digest"] = digest
+    agreed = state["agreed_cost"]
+    out["agreed_cost"] = None if agreed is None else _amount("agreed_cost", agreed)
     positions, costs = state["pool_positions"], state["pool_costs"]
     if not isinstance(positions, list | tuple) or not isinstance(costs, list | tuple):
         raise ValueError("state fields 'pool_positions' and 'pool_costs' must be lists")
