@@ -202,6 +202,11 @@ class OptimConfig:
     grad_clip: float = opt(
         1.0, "clip the dense tower's global gradient norm to this (0: off)", at_least=0
     )
+    skip_nonfinite: bool = opt(
+        False,
+        "skip (and count) a step whose loss or gradients are NaN or infinite, at one host sync "
+        "per step (false: stop the run with an error naming the first such step)",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -363,6 +368,13 @@ class TrainConfig:
             "adamw with model.embeddings=torchrec (the fused row-wise Adagrad serves the native "
             "tables; set model.embeddings=native)",
             self.optim.embedding_optimizer,
+        )
+        require(
+            not (self.optim.skip_nonfinite and self.optim.embedding_optimizer == "rowwise_adagrad"),
+            "optim.skip_nonfinite",
+            "false with optim.embedding_optimizer=rowwise_adagrad (the fused Adagrad updates the "
+            "tables inside the backward, before a step can be skipped)",
+            self.optim.skip_nonfinite,
         )
         return self
 
