@@ -40,6 +40,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from gem_train.config import FLEX_BACKENDS
+
 # The BlockMask's tile: document ids are padded to a multiple of it, so that a mask_mod never
 # indexes past the end of the id vector on a partial tile.
 FLEX_TILE = 128
