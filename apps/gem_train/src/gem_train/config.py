@@ -23,6 +23,8 @@ from gem_loadbalance.workloads import WORKLOADS
 
 from gem_train.config_fields import ConfigError, check_numbers, opt, require, require_choice
 
+FLEX_BACKENDS = ("auto", "compiled", "eager", "dense")  # see gem_train.model.flex
+
 
 @dataclass
 class ModelConfig:
@@ -32,10 +34,20 @@ class ModelConfig:
     attention: str = opt(
         "jagged",
         "history self-attention: jagged (gem_jagged, relative bias), block (gem_jagged "
-        "BlockAttention with RoPE, for long histories) or padded (PyTorch SDPA on a padded batch)",
+        "BlockAttention with RoPE, for long histories), flex (PyTorch FlexAttention on the packed "
+        "batch, document + causal mask, the bias as a score_mod) or padded (PyTorch SDPA on a "
+        "padded batch)",
     )
     pooling_attention: str = opt(
-        "jagged", "PMA and candidate cross-attention: jagged (gem_jagged.gdpa) or padded (PyTorch)"
+        "jagged",
+        "PMA and candidate cross-attention: jagged (gem_jagged.gdpa), flex (PyTorch FlexAttention, "
+        "document mask; softmax in place of GDPA's SiLU) or padded (PyTorch GDPA)",
+    )
+    flex_backend: str = opt(
+        "auto",
+        "how the flex attentions run: compiled (torch.compile'd flex_attention), eager (no "
+        "backward on the CPU), dense (the same masks on the full score matrix, plain PyTorch) or "
+        "auto (compiled on CUDA, dense elsewhere)",
     )
     block_size: int = opt(64, "BlockAttention block length in tokens", at_least=1)
     rope_theta: float = opt(10000.0, "BlockAttention RoPE base", above=0)
@@ -83,7 +95,7 @@ class ModelConfig:
             f"divisible by model.n_heads={self.n_heads}",
             self.d_model,
         )
-        require_choice("model.attention", self.attention, ("jagged", "block", "padded"))
+        require_choice("model.attention", self.attention, ("jagged", "block", "flex", "padded"))
         if "jagged" in (self.attention, self.pooling_attention) or self.attention == "block":
             require(
                 self.head_dim in (32, 64, 128),
@@ -91,7 +103,10 @@ class ModelConfig:
                 "a head dim of 32, 64 or 128 for the gem_jagged kernels",
                 f"{self.d_model} / {self.n_heads} = {self.d_model / self.n_heads:g}",
             )
-        require_choice("model.pooling_attention", self.pooling_attention, ("jagged", "padded"))
+        require_choice(
+            "model.pooling_attention", self.pooling_attention, ("jagged", "flex", "padded")
+        )
+        require_choice("model.flex_backend", self.flex_backend, FLEX_BACKENDS)
         require_choice("model.ffn", self.ffn, ("swiglu", "moe"))
         require_choice("model.embeddings", self.embeddings, ("auto", "torchrec", "native"))
         require(
