@@ -51,7 +51,8 @@ def load_kernels(path: Path, module_name: str) -> dict:
 
 def steps(w, kernels: dict):
     """Eager forward and forward + backward steps of ``w`` with ``kernels`` in the launchers."""
-    device, dtype, heads, head_dim = ab.setup(False, bj.HEADS, bj.HEAD_DIM)
+    device, dtype = ab.device_and_dtype()
+    heads, head_dim = w.heads, w.head_dim
     q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
     fn = bj.project_fn(w, q, k, v, device)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -58,7 +58,8 @@ def computed_tile_pairs(lengths) -> int:
 def cases(smoke: bool) -> dict[str, tuple]:
     """name -> (call, computed FLOPs or None, useful FLOPs or None)."""
     (w,) = bj.workloads(smoke, ("J1",))
-    device, dtype, heads, head_dim = ab.setup(smoke, bj.HEADS, bj.HEAD_DIM)
+    device, dtype = ab.device_and_dtype()
+    heads, head_dim = w.heads, w.head_dim
     q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     project = bj.project_fn(w, q, k, v, device)
