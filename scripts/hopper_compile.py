@@ -21,6 +21,7 @@ Exits 1 when a kernel fails to compile.
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -42,7 +43,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SM_COUNT = 132  # H200
-FAKE_CUDA = torch.device("cuda", 0)
 
 
 class _OfflineHopper(CudaDriver):
@@ -106,21 +106,10 @@ class _Patches:
 
 def gpu_configs() -> _Patches:
     """The ops pick tiles and code paths by device type; have them pick the GPU's."""
-    from gem_jagged.ops.gdpa import triton as gdpa
     from gem_jagged.ops.jagged_flash_attention import hopper
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa
 
-    config_for, tiles_for, act_code = jfa.config_for, gdpa.default_tiles, gdpa.activation_code
     properties = type("Properties", (), {"multi_processor_count": SM_COUNT})()
     return _Patches(
-        (jfa, "config_for", lambda hd, device, dtype, **kw: config_for(hd, FAKE_CUDA, dtype, **kw)),
-        (jfa, "_sm_count", lambda device: SM_COUNT),
-        (
-            gdpa,
-            "default_tiles",
-            lambda device, hd, dtype, **kw: tiles_for(FAKE_CUDA, hd, dtype, **kw),
-        ),
-        (gdpa, "activation_code", lambda act, dtype, device: act_code(act, dtype, FAKE_CUDA)),
         (hopper, "on_hopper", lambda t: True),  # the rest of hopper.supported as it is
         (torch.cuda, "get_device_properties", lambda device=None: properties),
     )
@@ -175,11 +164,29 @@ def _attention(call):
     return run
 
 
-def _jfa(q, k, v, offsets, *, rel_bias: bool):
+def _jfa_config(q, k, offsets, *, rel_bias: bool, gluon: bool = False):
+    """The sm_90 config of these inputs (the launchers are handed it, as a model on an H200
+    gets it); ``gluon``: every kernel asks for its Gluon twin."""
+    from gem_jagged.ops.jagged_flash_attention.config import KernelImpl, config_for, regime_for
+
+    config = config_for(
+        arch="sm90", dtype=q.dtype, head_dim=q.shape[2],
+        regime=regime_for(total_kv=k.shape[0], num_seqs=offsets.numel() - 1), rel_bias=rel_bias,
+    )  # fmt: skip
+    if gluon:
+        impl = KernelImpl.GLUON_HOPPER
+        config = dataclasses.replace(config, forward_impl=impl, dkdv_impl=impl, dq_impl=impl)
+    return config
+
+
+def _jfa(q, k, v, offsets, *, rel_bias: bool, gluon: bool = False):
     from gem_jagged import jagged_flash_attention
 
     bias = torch.randn(4, 65, requires_grad=True) if rel_bias else None
-    return jagged_flash_attention(q, k, v, offsets, causal=True, rel_bias=bias, backend="triton")
+    config = _jfa_config(q, k, offsets, rel_bias=rel_bias, gluon=gluon)
+    return jagged_flash_attention(
+        q, k, v, offsets, causal=True, rel_bias=bias, backend="triton", config=config
+    )
 
 
 def _jfa_cross(q, k, v, offsets):
@@ -188,46 +195,48 @@ def _jfa_cross(q, k, v, offsets):
     from gem_jagged import jagged_flash_attention
 
     batch = offsets.numel() - 1
+    k, v = k[: 64 * batch], v[: 64 * batch]
     kv_offsets = torch.arange(batch + 1, dtype=offsets.dtype) * 64
-    return jagged_flash_attention(
-        q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton"
-    )
+    config = _jfa_config(q, k, offsets, rel_bias=False)
+    return jagged_flash_attention(q, k, v, offsets, kv_offsets, backend="triton", config=config)
 
 
 def _jfa_hopper():
-    """The plain path with every bf16/fp16 tile table asking for the Gluon backward kernels,
-    over long keys (128-key dK/dV tiles) and short ones (64-key tiles)."""
-    import dataclasses
-
+    """The plain path with configs asking for the Gluon kernels, over long keys (the long
+    regime's dK/dV tiles) and short ones (64-key tiles)."""
     from gem_jagged import jagged_flash_attention
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa
-
-    def hopper(table):
-        return {
-            hd: dataclasses.replace(cfg, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True)
-            for hd, cfg in table.items()
-        }
 
     def run():
-        tables = ("_GPU_CONFIGS", "_GPU_CONFIGS_SHORT_KEYS")
-        with _Patches(*((jfa, name, hopper(getattr(jfa, name))) for name in tables)):
-            for head_dim in (64, 128):
-                q, k, v, offsets = _jagged_batch([700, 300, 1500, 64], 4, head_dim, torch.bfloat16)
-                q.requires_grad_()
-                _jfa(q, k, v, offsets, rel_bias=False).sum().backward()
-            kv_offsets = torch.arange(5, dtype=offsets.dtype) * 64
-            jagged_flash_attention(
-                q, k[:256], v[:256], offsets, kv_offsets, backend="triton"
-            ).sum().backward()
+        for head_dim in (64, 128):
+            q, k, v, offsets = _jagged_batch([700, 300, 1500, 64], 4, head_dim, torch.bfloat16)
+            q.requires_grad_()
+            _jfa(q, k, v, offsets, rel_bias=False, gluon=True).sum().backward()
+        k, v = k[:256], v[:256]
+        kv_offsets = torch.arange(5, dtype=offsets.dtype) * 64
+        config = _jfa_config(q, k, offsets, rel_bias=False, gluon=True)
+        jagged_flash_attention(
+            q, k, v, offsets, kv_offsets, backend="triton", config=config
+        ).sum().backward()
 
     return run
+
+
+def _gdpa_tiles(q, rel_bias):
+    """The GPU's GDPA tiles (and sigmoid form) for q, asked for explicitly."""
+    from gem_jagged.ops.gdpa import regime_for, tiles_for
+
+    regime = regime_for(rel_bias_NB=rel_bias)
+    return tiles_for(arch="cuda", dtype=q.dtype, head_dim=q.shape[2], regime=regime)
 
 
 def _gdpa(q, k, v, offsets, *, rel_bias: bool):
     from gem_jagged import gdpa
 
     bias = torch.randn(4, 65, requires_grad=True) if rel_bias else None
-    return gdpa(q, k, v, offsets, activation="silu", causal=True, rel_bias=bias, backend="triton")
+    return gdpa(
+        q, k, v, offsets, activation="silu", causal=True, rel_bias=bias, backend="triton",
+        tiles=_gdpa_tiles(q, bias),
+    )  # fmt: skip
 
 
 def _gdpa_cross(q, k, v, offsets):
@@ -236,7 +245,10 @@ def _gdpa_cross(q, k, v, offsets):
 
     batch = offsets.numel() - 1
     kv_offsets = torch.arange(batch + 1, dtype=offsets.dtype) * 64
-    return gdpa(q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton")
+    return gdpa(
+        q, k[: 64 * batch], v[: 64 * batch], offsets, kv_offsets, backend="triton",
+        tiles=_gdpa_tiles(q, None),
+    )  # fmt: skip
 
 
 def _block_attention(q, k, v, offsets):

@@ -8,6 +8,11 @@ run. This script reads every such file, keeps for each goal (its ``goal`` text a
 that sorts last and the line that comes last), and writes one markdown table between the two
 marker comments of the root README.md. Goals keep the order in which they first appear.
 
+A goal is retired by a row ``{"kind": "retire", "goal": ..., "date": ..., "reason": ...}`` in a
+results file (e.g. when a stronger anchor replaces the one it names): its rows dated on or before
+the retirement leave the table, and a line under the table names it with the reason, so that
+nothing vanishes without a word.
+
     python scripts/results_table.py          # rewrite the table in README.md
     python scripts/results_table.py --check  # exit 1 if README.md's table is not up to date
 
@@ -37,11 +42,13 @@ HEADER = [
 ]
 
 
-def goal_rows(paths: list[Path]) -> list[dict]:
-    """The goal rows of ``paths`` (JSON lines), in file then line order; other rows are left out.
+def goal_rows(paths: list[Path], *, kind: str = "goal") -> list[dict]:
+    """The rows of ``kind`` ("goal" or "retire") in ``paths`` (JSON lines), in file then line
+    order; other rows are left out.
 
     Raises:
-        ValueError: a line that is not JSON, naming its file and line.
+        ValueError: a line that is not JSON, naming its file and line; a retire row without a
+            goal, date or reason.
     """
     rows = []
     for path in paths:
@@ -52,9 +59,30 @@ def goal_rows(paths: list[Path]) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not a JSON line: {exc}") from exc
-            if row.get("kind") == "goal":
+            if row.get("kind") == "retire" and not all(row.get(f) for f in RETIRE_FIELDS):
+                raise ValueError(f"{path}:{number}: a retire row needs {', '.join(RETIRE_FIELDS)}")
+            if row.get("kind") == kind:
                 rows.append(row)
     return rows
+
+
+RETIRE_FIELDS = ("goal", "date", "reason")
+
+
+def without_retired(rows: list[dict], retirements: list[dict]) -> list[dict]:
+    """``rows`` less those of a retired goal dated on or before its (latest) retirement."""
+    retired = {}
+    for r in retirements:
+        retired[r["goal"]] = max(retired.get(r["goal"], r["date"]), r["date"])
+    return [row for row in rows if not row["date"] <= retired.get(row["goal"], "")]
+
+
+def retired_note(retirements: list[dict]) -> str:
+    """One line per retired goal, under the table (empty without any)."""
+    latest = {r["goal"]: r for r in sorted(retirements, key=lambda r: r["date"])}
+    return "".join(
+        f"\nRetired {r['date']}: *{goal}* ({r['reason']}).\n" for goal, r in latest.items()
+    )
 
 
 def newest_per_goal(rows: list[dict]) -> list[dict]:
@@ -143,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     paths = sorted(args.results.glob("*.jsonl"))
-    table = render(newest_per_goal(goal_rows(paths)))
+    retirements = goal_rows(paths, kind="retire")
+    rows = without_retired(goal_rows(paths), retirements)
+    table = render(newest_per_goal(rows)) + retired_note(retirements)
     text = args.readme.read_text()
     updated = with_table(text, table)
     if args.check:

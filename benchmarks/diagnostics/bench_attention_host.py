@@ -35,7 +35,10 @@ import bench_gdpa  # noqa: E402
 import common  # noqa: E402
 import numpy as np  # noqa: E402
 from gem_jagged import block_attention, gdpa  # noqa: E402
+from gem_jagged.batch import JaggedBatch  # noqa: E402
+from gem_jagged.ops.block_attention import config_for  # noqa: E402
 from gem_jagged.ops.block_attention import triton as block_kernels  # noqa: E402
+from gem_jagged.ops.gdpa import Regime, arch_of, tiles_for  # noqa: E402
 from gem_jagged.ops.gdpa import triton as gdpa_kernels  # noqa: E402
 
 THETA, BLOCK = 10000.0, 64
@@ -65,11 +68,15 @@ def gdpa_steps(w, q, k, v, do, device):
     kv_off = common.offsets_of(w.kv_lengths, device)
     kv_arg = None if w.name == "J1" else kv_off
     scale = q.shape[-1] ** -0.5
+    q_launch = kv_off if q_off is None else q_off
+    tiles = tiles_for(
+        arch=arch_of(q.device), dtype=q.dtype, head_dim=q.shape[-1], regime=Regime.PLAIN
+    )
     launch = dict(
         activation="silu", causal=w.causal, scale=scale, out_scale=1.0, broadcast_q=w.pma,
-        rel_bias_NB=None, is_cross=kv_arg is not None and not w.pma,
+        rel_bias_NB=None, is_cross=kv_arg is not None and not w.pma, tiles=tiles,
+        batch=JaggedBatch.of_owned(q_launch, kv_off, max_len=None),
     )  # fmt: skip
-    q_launch = kv_off if q_off is None else q_off
 
     def public(q, k, v, backend="triton"):
         return gdpa(q, k, v, q_off, kv_arg, causal=w.causal, broadcast_q=w.pma, backend=backend)
@@ -85,7 +92,10 @@ def gdpa_steps(w, q, k, v, do, device):
 
 
 def block_steps(q, k, v, do, offsets, block):
-    options = dict(block_size=block, causal=True, rope_theta=THETA, scale=q.shape[-1] ** -0.5)
+    options = dict(
+        block_size=block, causal=True, rope_theta=THETA, scale=q.shape[-1] ** -0.5,
+        config=config_for(block_size=block, head_dim=q.shape[-1]),
+    )  # fmt: skip
 
     def public(q, k, v, backend="triton"):
         return block_attention(

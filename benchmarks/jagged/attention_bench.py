@@ -31,6 +31,8 @@ class Workload:
     kv_lengths: np.ndarray
     causal: bool
     pma: bool = False
+    heads: int = 4  # docs/workloads.md: J1–J5 4 heads of 128, J6 8 of 64, J7 4 of 64
+    head_dim: int = 128
 
     def pairs(self) -> int:
         """Real (query, key) pairs: causal self-attention counts the lower triangle."""
@@ -38,10 +40,15 @@ class Workload:
         return common.attention_pairs(self.q_lengths, kv, causal=self.causal)
 
 
+def device_and_dtype():
+    """("cuda", bf16) on a GPU; ("cpu", fp16) through the Triton interpreter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, torch.bfloat16 if device == "cuda" else torch.float16
+
+
 def setup(smoke: bool, heads: int, head_dim: int):
     """(device, dtype, heads, head_dim): bf16 on a GPU; fp16, 2 heads of 32 in smoke mode."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    device, dtype = device_and_dtype()
     return (device, dtype, heads, head_dim) if not smoke else (device, dtype, 2, 32)
 
 

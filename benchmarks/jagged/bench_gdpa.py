@@ -38,7 +38,10 @@ import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from attention_bench import Workload  # noqa: E402
 from gem_jagged import gdpa  # noqa: E402
+from gem_jagged.batch import JaggedBatch  # noqa: E402
+from gem_jagged.ops.gdpa import Regime, arch_of, tiles_for  # noqa: E402
 from gem_jagged.ops.gdpa import triton as gdpa_kernels  # noqa: E402
+from gem_jagged.prototype import gdpa as prototype_gdpa  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 128
 CANDIDATES, SEEDS = 64, 32
@@ -54,34 +57,44 @@ def workloads(smoke: bool) -> list[Workload]:
     ]
 
 
-def project_fn(w, device, tiles=None, rel_bias_radius=None, heads=HEADS):
+def project_fn(w, device, tiles=None, rel_bias_radius=None, heads=HEADS, work_list=None):
+    """GDPA on ``w`` through the public op, or (sweep: ``tiles`` given) the launchers called
+    directly with those tiles; ``work_list`` (``WorkListOptions``) sends J3/J4 to the
+    prototype's work-list schedule instead of production's per-sequence one."""
     q_off = None if w.pma else common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
     kv_arg = None if w.name == "J1" else kv_off  # J1 is self-attention
     if tiles is not None:  # sweep: call the launchers directly with the given tiles
+        q_launch = kv_off if q_off is None else q_off
+        batch = JaggedBatch.of_owned(q_launch, kv_off, max_len=None)
+        forward, backward = gdpa_kernels.gdpa_forward, gdpa_kernels.gdpa_backward
+        opts = dict(
+            activation="silu", causal=w.causal, out_scale=1.0, broadcast_q=w.pma,
+            rel_bias_NB=None, tiles=tiles, batch=batch,
+        )  # fmt: skip
+        if work_list is not None and kv_arg is not None:
+            forward, backward = (
+                prototype_gdpa.gdpa_forward_work_list,
+                prototype_gdpa.gdpa_backward_work_list,
+            )
+            opts["options"] = work_list
+        else:
+            opts["is_cross"] = kv_arg is not None and not w.pma
 
         class Op(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v):
                 ctx.save_for_backward(q, k, v)
-                return gdpa_kernels.gdpa_forward(
-                    q, k, v, kv_off if q_off is None else q_off, kv_off, scale=q.shape[-1] ** -0.5,
-                    **opts,
-                )  # fmt: skip
+                return forward(q, k, v, q_launch, kv_off, scale=q.shape[-1] ** -0.5, **opts)
 
             @staticmethod
             def backward(ctx, do):
                 q, k, v = ctx.saved_tensors
-                dq, dk, dv, _ = gdpa_kernels.gdpa_backward(
-                    do, q, k, v, kv_off if q_off is None else q_off, kv_off,
-                    scale=q.shape[-1] ** -0.5, **opts,
-                )  # fmt: skip
+                dq, dk, dv, _ = backward(
+                    do, q, k, v, q_launch, kv_off, scale=q.shape[-1] ** -0.5, **opts
+                )
                 return dq, dk, dv
 
-        opts = dict(
-            activation="silu", causal=w.causal, out_scale=1.0, broadcast_q=w.pma,
-            rel_bias_NB=None, tiles=tiles, is_cross=kv_arg is not None and not w.pma,
-        )  # fmt: skip
         return Op.apply
 
     rel_bias = None
@@ -184,7 +197,9 @@ def sweep(device, dtype, smoke, only=()) -> None:
     """Tile configurations of the project's kernels, eager and (on a GPU) graph-replayed: the
     replay is the kernels' time, which an eager call of J3 or J4 hides behind its host cost."""
     heads, head_dim = (HEADS, HEAD_DIM) if not smoke else (2, 32)
-    base = gdpa_kernels.default_tiles(torch.device(device), head_dim, dtype)
+    arch = arch_of(torch.device(device))
+    base = tiles_for(arch=arch, dtype=dtype, head_dim=head_dim, regime=Regime.PLAIN)
+    work_list = prototype_gdpa.work_list_options_for(arch=arch)
     variants = {
         "default": base,
         "fwd n128 w8 s2": dataclasses.replace(base, fwd_n=128, fwd_stages=2),
@@ -196,7 +211,7 @@ def sweep(device, dtype, smoke, only=()) -> None:
         "bwd dkdv m64 n64 w4": dataclasses.replace(base, dkdv_n=64, dkdv_warps=4),
         "bwd dkdv m128 n64 w8": dataclasses.replace(base, dkdv_m=128, dkdv_n=64),
         "bwd dq m128 n64 w8 (the default before)": dataclasses.replace(base, dq_m=128, dq_warps=8),
-        "work-list schedule (J3/J4)": dataclasses.replace(base, cross_schedule="work_list"),
+        "work-list schedule (prototype, J3/J4)": (base, work_list),
         "cross chunks >= 1 tile (J3)": dataclasses.replace(base, cross_min_part_tiles=1),
         "cross chunks >= 2 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=2),
         "cross chunks >= 8 tiles (J3)": dataclasses.replace(base, cross_min_part_tiles=8),
@@ -209,8 +224,9 @@ def sweep(device, dtype, smoke, only=()) -> None:
         if only and w.name not in only:
             continue
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
-        for name, tiles in variants.items():
-            fn = project_fn(w, device, tiles)
+        for name, variant in variants.items():
+            tiles, schedule = variant if isinstance(variant, tuple) else (variant, None)
+            fn = project_fn(w, device, tiles, work_list=schedule)
             fwd = common.try_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
             both = ab.timed(fn, q, k, v, do, backward=True, bench=common.try_bench)
             graph = fwd_us = float("nan")
@@ -242,7 +258,7 @@ def overhead(rows, w) -> None:
             q_off, kv_off, total_kv=total_kv, block=128, align=64, split_rows=512, max_splits=16
         ),
         "check_offsets (host copy)": lambda: check_offsets(
-            "q_offsets", q_off, total=total_q, device=q_off.device
+            "q_offsets", q_off, validate_values=True
         ),
     }
     for name, fn in parts.items():

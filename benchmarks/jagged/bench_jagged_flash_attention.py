@@ -1,57 +1,55 @@
-"""Jagged flash attention on J1, J2, J3 against FlexAttention, padded SDPA and nested-jagged SDPA.
+"""Jagged flash attention on J1, J2, J3, J6, J7 against FlashAttention-4 and four other anchors.
 
-Useful TFLOP/s count only real (query, key) pairs (workloads.md): forward 4·N·D·pairs, forward +
-backward 3.5× that. J1 and J2 are causal self-attention over user histories; J3 is jagged queries
-(J1's lengths) over 64 candidate keys per sample, not causal. Anchors, measured in the same run:
+Useful TFLOP/s count only real (query, key) pairs (docs/workloads.md): forward 4·N·D·pairs,
+forward + backward 3.5× that. J1 and J2 are causal self-attention over user histories at 4 heads
+of 128; J3 is jagged queries (J1's lengths) over 64 candidate keys per sample, not causal; J6 is
+heavy-tailed causal self-attention at 8 heads of 64; J7 is 3,000 tiny histories (1–48 tokens) at
+4 heads of 64. Anchors, measured in the same run on the same tensors:
 
+- FlashAttention-4 (``flash_attn.cute.flash_attn_varlen_func``, CuTe DSL; the strongest public
+  softmax kernel on Hopper) on the packed tensors with ``cu_seqlens``: the goals name it. Where it
+  is not installed its columns read NaN and the run says why;
+- ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch), packed;
 - FlexAttention (compiled) on the packed sequence with a document mask (+ causal), the block mask
   built once outside the timing;
 - SDPA (flash backend) on a padded batch ``[B, N, Lmax, D]``, timing the attention only (padding
-  and unpadding not counted, which flatters the anchor);
+  and unpadding not counted, which flatters the anchor), where padding costs at most
+  ``PADDED_LIMIT``× the real tokens;
 - SDPA on nested jagged tensors (``torch.nested`` layout ``jagged``) where it runs.
 
-The project is timed twice: called eagerly (the public function validates the offsets' values
-on the host once per offsets tensor, and repeated calls go through launch plans) and inside
-``torch.compile(fullgraph=True)`` (validation is skipped while tracing, as in a compiled model);
-the ratios use the compiled figure, the anchors being compiled too. A third figure
-replays the project's step as a CUDA graph (the op is capturable: no host synchronisation), which
-removes the host's launch overhead and shows what the kernels themselves sustain; FlexAttention
-and padded SDPA are replayed the same way, and the "graphed x" ratios compare replay with
-replay (device time against device time).
+The project is timed called eagerly and inside ``torch.compile(fullgraph=True)`` (the ratios use
+the compiled figure, the anchors being compiled too), and its step replayed as a CUDA graph (the
+op is capturable: no host synchronisation), which removes the host's launch cost and shows what
+the kernels sustain; FA4, varlen, FlexAttention and padded SDPA are replayed the same way where
+they can be captured, and the "graphed x" ratios compare replay with replay (device time against
+device time). The goal rows use graph against graph where both sides replayed, else eager.
 
-``--quick`` keeps the rows the goals name (under a minute on an H200): the project eager and
-graph-replayed on J1 and J2 beside FlexAttention and padded SDPA, on J3 beside padded SDPA; no
-compiled project (the ratios then use the eager figure) and no nested SDPA. ``--smoke`` runs tiny
-sizes on the CPU (Triton interpreter, eager anchors) to catch errors fast; ``--sweep`` also times
-kernel configurations of the project's kernel on J1, J2 and J3 (graph replays: device time only,
-since eager timings of one config differ by ±15% from run to run once the host is the limit),
-each beside its largest deviation from the default configuration's output and gradients;
-``--variants TEXT ...`` keeps the configurations whose names contain one of the texts.
+``--quick`` keeps the rows the goals name: the project eager and graph-replayed beside FA4,
+varlen and padded SDPA on every workload, FlexAttention on J1 and J2 only; no compiled project
+(the ratios then use the eager figure) and no nested SDPA. ``--smoke`` runs tiny sizes on the
+CPU (Triton interpreter, eager anchors) to catch errors fast. ``--sweep`` also times kernel
+configurations of the project on J1, J2 and J3 (graph replays, each beside its largest
+deviation from the default configuration's output and gradients); ``--variants TEXT ...`` keeps
+the configurations whose names contain one of the texts. ``--rel-bias R`` gives the project a
+learned relative bias of radius R (the trainer's setting); the anchors have none.
 
-The goals' ratios to FlexAttention (J1, J2 forward + backward) are also measured alternately,
-project then FlexAttention, five rounds of a full-length ``do_bench`` each, eager and
-graph-replayed: a drift of the GPU's clocks or temperature during the run then reaches both
-sides of every ratio, and the spread over the rounds shows how far one figure can be trusted.
-They are measured a third way as well, as a training loop of this step would run: each side's
-step replayed back to back for a second, three rounds, with the SM clock each side ran at
-(``nvidia-smi``) and its energy per step (NVML's counter, read only). The H200 holds its board
-power to its limit by lowering the clock; a step that draws the limit runs slower there than
-in a short ``do_bench`` (docs/history/performance.md, 2026-12-02, eighteenth session). Where matplotlib is installed the first round is drawn, ms
-per step over the loop, in ``jfa_sustained.png`` under ``$OUT`` (or the current directory).
+The forward + backward ratio to the strongest anchor that ran (FA4, else FlexAttention) is also
+measured alternately, project then anchor, five rounds of a full-length ``do_bench`` each, eager
+and graph-replayed, so that a drift of the GPU's clocks reaches both sides of every ratio and
+the spread shows how far one figure can be trusted; and as a training loop would run the step:
+each side replayed back to back for a second, three rounds, with its SM clock (``nvidia-smi``)
+and energy per step (NVML's counter, read only). The H200 holds its board power to its limit by
+lowering the clock, so a step that draws the limit runs slower there than in a short
+``do_bench``. Where matplotlib is installed the first round is drawn (``jfa_sustained.png``
+under ``$OUT`` or the current directory).
 
-Every GPU run also prints the host's cost per call: the CPU time to issue one step without
-waiting for the device (a loop of calls, no synchronisation), for the public function (with
-the forward's K/V through TMA descriptors, which Triton encodes on the host per launch, and by
-pointers; and with its launch plans off, every call checked and launched the ordinary way) and
-for the custom op with its work lists rebuilt on every call and no launch plans (how eager
-calls ran before the eager fast path, the work-list cache and the plans), beside the step's
-device time (graph replay). A step
-whose host time exceeds its device time is host-bound when called eagerly. (The Triton forward
-through TMA descriptors is never planned, so its column times the ordinary path.)
+Every GPU run also prints the host's cost per call (the CPU time to issue one step without
+waiting for the device): the public function with the forward's K/V through TMA descriptors and
+by pointers, and over a prebuilt ``JaggedBatch``, beside the step's device time. A step whose
+host time exceeds its device time is host-bound when called eagerly.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -71,38 +69,68 @@ import common  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from attention_bench import Workload  # noqa: E402
-from gem_jagged import jagged_flash_attention  # noqa: E402
-from gem_jagged.ops.jagged_flash_attention import _op  # noqa: E402
+from gem_jagged import JaggedBatch, jagged_flash_attention  # noqa: E402
+from gem_jagged.ops.jagged_flash_attention.config import (  # noqa: E402
+    DqPlacement,
+    KernelImpl,
+    KeyLoads,
+    arch_of,
+    config_for,
+    regime_for,
+)
 
-HEADS, HEAD_DIM = 4, 128
 CANDIDATES = 64  # J3: keys per sample
-QUICK_FLEX = ("J1", "J2")  # --quick: the workloads whose goals name FlexAttention
+WORKLOAD_IDS = ("J1", "J2", "J3", "J6", "J7")
+QUICK_FLEX = ("J1", "J2")  # --quick: FlexAttention only where its compile pays for itself
+PADDED_LIMIT = 8  # padded SDPA runs where B·Lmax is at most this many times the real tokens
+# The goals (forward + backward, no bias): FlashAttention-4's time / the project's, at least.
+FA4_TARGETS = {"J1": 1.15, "J2": 1.15, "J3": 1.0, "J6": 1.0, "J7": 5.0}
 
 
 def workloads(smoke: bool, only: tuple[str, ...] = ()) -> list[Workload]:
-    """J1, J2, J3 (tiny stand-ins for J1 and J3 with ``smoke``); ``only`` keeps those named."""
+    """J1, J2, J3, J6, J7 with their heads and head dims (tiny stand-ins for J1, J3 and J7
+    with ``smoke``, at 2 heads of 32); ``only`` keeps those named."""
     if smoke:
-        lengths = np.array([5, 20, 0, 9])
+        lengths, tiny = np.array([5, 20, 0, 9]), np.array([1, 3, 0, 2, 7, 1, 1, 4])
         found = [
-            Workload("J1", lengths, lengths, True),
-            Workload("J3", lengths, np.full(4, 8), False),
+            Workload("J1", lengths, lengths, True, heads=2, head_dim=32),
+            Workload("J3", lengths, np.full(4, 8), False, heads=2, head_dim=32),
+            Workload("J7", tiny, tiny, True, heads=2, head_dim=32),
         ]
     else:
-        j1, j2 = common.workload_lengths("J1"), common.workload_lengths("J2")
+        j1, j2, j6, j7 = (common.workload_lengths(j) for j in ("J1", "J2", "J6", "J7"))
         found = [
             Workload("J1", j1, j1, True),
             Workload("J2", j2, j2, True),
             Workload("J3", j1, np.full(len(j1), CANDIDATES), False),
+            Workload("J6", j6, j6, True, heads=8, head_dim=64),
+            Workload("J7", j7, j7, True, heads=4, head_dim=64),
         ]
     return [w for w in found if not only or w.name in only]
 
 
-def project_fn(w, q, k, v, device, *, rel_bias_radius=None):
+def detail_workloads(only: tuple[str, ...]) -> list[Workload]:
+    """The workloads the host-cost table and the sweep run: J1, J2, J3 among ``only``."""
+    return [w for w in workloads(False, only) if w.name in ("J1", "J2", "J3")]
+
+
+def pads_cheaply(w: Workload) -> bool:
+    """Whether a padded batch holds at most ``PADDED_LIMIT``× the real tokens of ``w``."""
+    lengths = (w.q_lengths, w.kv_lengths)
+    real = max(int(n.sum()) for n in lengths)
+    return max(len(n) * int(n.max()) for n in lengths) <= PADDED_LIMIT * max(real, 1)
+
+
+def project_fn(w, q, k, v, device, *, rel_bias_radius=None, config=None, prebuilt=False):
     """The project's call; with ``rel_bias_radius`` R it also learns a relative bias
-    ``[N, 2R+1]`` (the trainer's setting; its gradient is part of the backward)."""
+    ``[N, 2R+1]`` (the trainer's setting; its gradient is part of the backward). ``config``: the
+    kernels' ``JaggedAttentionConfig`` (None: the op picks). ``prebuilt``: the call takes one
+    ``JaggedBatch`` built beforehand (a model's way) instead of offsets tensors."""
     q_off = common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
     hints = dict(max_q_len=int(w.q_lengths.max()), max_kv_len=int(w.kv_lengths.max()))
+    if prebuilt:
+        q_off, kv_off, hints = JaggedBatch(q_off, kv_off, **_batch_hints(hints)), None, {}
     backend = "triton"
     rel_bias = None
     if rel_bias_radius is not None:
@@ -112,11 +140,25 @@ def project_fn(w, q, k, v, device, *, rel_bias_radius=None):
 
     def fn(q, k, v):
         return jagged_flash_attention(
-            q, k, v, q_off, kv_off, causal=w.causal, rel_bias=rel_bias, backend=backend, **hints
-        )
+            q, k, v, q_off, kv_off, causal=w.causal, rel_bias=rel_bias, backend=backend,
+            config=config, **hints,
+        )  # fmt: skip
 
     fn.rel_bias = rel_bias  # for the sweep's check of every gradient
     return fn
+
+
+def _batch_hints(hints):
+    return dict(max_len=hints["max_q_len"], max_kv_len=hints["max_kv_len"])
+
+
+def default_config(w, rel_bias: bool, dtype):
+    """The config the op picks for ``w`` on this GPU (``config_for``)."""
+    return config_for(
+        arch=arch_of(torch.device("cuda")), dtype=dtype, head_dim=w.head_dim,
+        regime=regime_for(total_kv=int(w.kv_lengths.sum()), num_seqs=len(w.kv_lengths)),
+        rel_bias=rel_bias,
+    )  # fmt: skip
 
 
 def nested_fn(w, device):
@@ -134,37 +176,55 @@ def nested_fn(w, device):
     return fn
 
 
-ANCHORS = ("flex", "padded", "nested")
+ANCHORS = ("fa4", "varlen", "flex", "padded", "nested")
+ANCHOR_NAMES = {"fa4": "FlashAttention-4", "varlen": "varlen_attn (FA2)", "flex": "FlexAttention",
+                "padded": "padded SDPA", "nested": "nested SDPA"}  # fmt: skip
 # Timed again as CUDA-graph replays (device time, no host cost), each against the others.
-GRAPHED = ("project", "flex", "padded")
+GRAPHED = ("project", "fa4", "varlen", "flex", "padded")
+
+
+def anchor_fns(w, q, k, v, do, device, *, smoke: bool, quick: bool) -> dict:
+    """Every anchor that runs on ``w`` here: ``name: (fn, (q, k, v, do))``."""
+    fns = {}
+    for name, fn in (("fa4", ab.fa4_fn(w, device)), ("varlen", ab.torch_varlen_fn(w, device))):
+        if fn is not None:
+            fns[name] = (fn, (q, k, v, do))
+    if not quick or w.name in QUICK_FLEX:
+        mask = ab.document_mask(w.q_lengths, w.kv_lengths, device, causal=w.causal)
+        fns["flex"] = (ab.flex_fn(mask, len(q), len(k), device=device, smoke=smoke), (q, k, v, do))
+    if pads_cheaply(w):
+        lengths = (w.q_lengths, w.kv_lengths, w.kv_lengths, w.q_lengths)
+        padded = [ab.pad_heads(t, n, device) for t, n in zip((q, k, v, do), lengths)]  # noqa: B905
+        fns["padded"] = (ab.padded_sdpa_fn(causal=w.causal), padded)
+    if not quick:
+        fns["nested"] = (nested_fn(w, device), (q, k, v, do))
+    return fns
+
+
+def strongest(fns: dict) -> str | None:
+    """The anchor the alternating and sustained rounds compare against: FA4, else Flex."""
+    return next((name for name in ("fa4", "flex") if name in fns), None)
 
 
 def run(
     smoke: bool, sweep: bool, project_only: bool = False, quick: bool = False, only=(),
     rel_bias_radius: int | None = None, variants: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
-    device, dtype, heads, head_dim = ab.setup(smoke, HEADS, HEAD_DIM)
+    device, dtype = ab.device_and_dtype()
     bench, anchor_bench = ab.benches(smoke, quick=quick)
     bias_note = "" if rel_bias_radius is None else f", project with rel_bias R={rel_bias_radius}"
-    print(f"# jagged flash attention, {common.environment()}, {dtype}, N={heads}, D={head_dim}"
-          f"{bias_note} (anchors without bias)")  # fmt: skip
+    print(f"# jagged flash attention, {common.environment()}, {dtype}{bias_note} "
+          "(anchors without bias)")  # fmt: skip
     rows, headline, alternating, sustained = [], {}, [], []
     for w in workloads(smoke, only):
+        heads, head_dim = w.heads, w.head_dim
         q, k, v, do = ab.make_inputs(w, device, dtype, heads, head_dim)
         project = project_fn(w, q, k, v, device, rel_bias_radius=rel_bias_radius)
         fns = {"project": (project, (q, k, v, do))}
         if not smoke and not quick:  # smoke mode leaves compilation to the compile test
             fns["compiled"] = (torch.compile(project, fullgraph=True), (q, k, v, do))
         if not project_only:
-            if not quick or w.name in QUICK_FLEX:
-                mask = ab.document_mask(w.q_lengths, w.kv_lengths, device, causal=w.causal)
-                flex = ab.flex_fn(mask, len(q), len(k), device=device, smoke=smoke)
-                fns["flex"] = (flex, (q, k, v, do))
-            lengths = (w.q_lengths, w.kv_lengths, w.kv_lengths, w.q_lengths)
-            padded = [ab.pad_heads(t, n, device) for t, n in zip((q, k, v, do), lengths)]  # noqa: B905
-            fns["padded"] = (ab.padded_sdpa_fn(causal=w.causal), padded)
-            if not quick:
-                fns["nested"] = (nested_fn(w, device), (q, k, v, do))
+            fns |= anchor_fns(w, q, k, v, do, device, smoke=smoke, quick=quick)
         base = "compiled" if "compiled" in fns else "project"
         for backward in (False, True):
             flops = common.attention_flops(
@@ -181,11 +241,11 @@ def run(
             label = "fwd+bwd" if backward else "fwd"
             best, graphed = ms[base], ms["project (graph)"]
             rows.append(
-                [w.name, label, ms["project"], tf["project"], ms["compiled"], tf["compiled"],
-                 tf["flex"], tf["padded"], tf["nested"],
-                 *(_ratio(ms[a] / best) for a in ("flex", "padded", "nested")),
-                 tf["project (graph)"], tf["flex (graph)"], tf["padded (graph)"],
-                 *(_ratio(ms[f"{a} (graph)"] / graphed) for a in ("flex", "padded"))]
+                [w.name, label, f"{heads}x{head_dim}", ms["project"], tf["project"],
+                 tf["compiled"], *(tf[a] for a in ANCHORS),
+                 *(_ratio(ms[a] / best) for a in ANCHORS),
+                 tf["project (graph)"], *(tf[f"{a} (graph)"] for a in GRAPHED[1:]),
+                 *(_ratio(ms[f"{a} (graph)"] / graphed) for a in GRAPHED[1:])]
             )  # fmt: skip
             common.record(
                 "jagged_flash_attention",
@@ -193,64 +253,63 @@ def run(
                 tflops=tf[base],
                 tflops_eager=tf["project"],
                 tflops_graphed=tf["project (graph)"],
-                x_flex=ms["flex"] / best,
-                x_padded=ms["padded"] / best,
+                **{f"x_{a}": ms[a] / best for a in ANCHORS},
+                **{f"graph_x_{a}": ms[f"{a} (graph)"] / graphed for a in GRAPHED[1:]},
             )
-            # The goals (forward + backward, no bias; README's results table): anchor, target.
-            goals = {"J1": {"flex": 2.0, "padded": 1.0}, "J2": {"flex": 1.5, "padded": 1.0},
-                     "J3": {"padded": 1.0}}  # fmt: skip
-            for anchor, target in goals.get(w.name, {}).items():
-                if backward and rel_bias_radius is None and anchor in fns:
-                    mine, theirs, basis = common.graphed_or_eager(ms, "project", anchor)
-                    name = {"flex": "FlexAttention", "padded": "padded SDPA"}[anchor]
-                    common.record_goal(
-                        benchmark="jagged_flash_attention",
-                        goal=f"jagged flash attention vs {name}",
-                        workload=f"{w.name} {label}",
-                        gemkit=mine,
-                        anchor=name,
-                        anchor_value=theirs,
-                        ratio=theirs / mine,
-                        unit="ms",
-                        basis=basis,
-                        target=target,
-                    )
+            if backward and rel_bias_radius is None and "fa4" in fns and w.name in FA4_TARGETS:
+                mine, theirs, basis = common.graphed_or_eager(ms, "project", "fa4")
+                common.record_goal(
+                    benchmark="jagged_flash_attention",
+                    goal="jagged flash attention vs FlashAttention-4",
+                    workload=f"{w.name} {label}",
+                    gemkit=mine,
+                    anchor=ANCHOR_NAMES["fa4"],
+                    anchor_value=theirs,
+                    ratio=theirs / mine,
+                    unit="ms",
+                    basis=basis,
+                    target=FA4_TARGETS[w.name],
+                )
             key = f"{w.name.lower()}_{'fwdbwd' if backward else 'fwd'}"
-            for anchor in ("flex", "padded"):
+            for anchor in GRAPHED[1:]:
                 if anchor in fns:
                     headline[f"{key}_x_{anchor}"] = ms[anchor] / best
                     headline[f"{key}_graph_x_{anchor}"] = ms[f"{anchor} (graph)"] / graphed
-        if device == "cuda" and "flex" in fns:
+        anchor = strongest(fns)
+        if device == "cuda" and anchor is not None:
             for graph in (False, True):
-                ratios = alternating_ratios(fns["project"], fns["flex"], graph=graph)
+                ratios = alternating_ratios(fns["project"], fns[anchor], graph=graph)
                 mode = "graphed" if graph else "eager"
-                alternating.append((w.name, mode, ratios))
-                headline[f"{w.name.lower()}_fwdbwd_{mode}_x_flex_alternating"] = float(
+                alternating.append((w.name, ANCHOR_NAMES[anchor], mode, ratios))
+                headline[f"{w.name.lower()}_fwdbwd_{mode}_x_{anchor}_alternating"] = float(
                     np.median(ratios)
                 )
-            rounds = sustained_rounds(fns["project"], fns["flex"])
-            sustained.append((w.name, rounds))
-            headline[f"{w.name.lower()}_fwdbwd_sustained_x_flex"] = float(
+            rounds = sustained_rounds(fns["project"], fns[anchor])
+            sustained.append((w.name, ANCHOR_NAMES[anchor], rounds))
+            headline[f"{w.name.lower()}_fwdbwd_sustained_x_{anchor}"] = float(
                 np.median([r.anchor_ms / r.project_ms for r in rounds])
             )
         del fns, q, k, v, do
+    short = {"fa4": "FA4", "varlen": "varlen", "flex": "flex", "padded": "padded",
+             "nested": "nested"}  # fmt: skip
     common.print_table(
         f"jagged flash attention, useful TFLOP/s ({common.environment()}); "
         f"x = anchor time / {'compiled' if not (quick or smoke) else 'eager'} project time",
-        ["workload", "pass", "eager ms", "eager", "compiled ms", "compiled", "flex",
-         "padded SDPA", "nested SDPA", "x flex", "x padded", "x nested", "graphed", "flex graphed",
-         "padded graphed", "graphed x flex", "graphed x padded"],
+        ["workload", "pass", "NxD", "eager ms", "eager", "compiled",
+         *(short[a] for a in ANCHORS), *(f"x {short[a]}" for a in ANCHORS), "graphed",
+         *(f"{short[a]} graphed" for a in GRAPHED[1:]),
+         *(f"graphed x {short[a]}" for a in GRAPHED[1:])],
         rows,
     )  # fmt: skip
     if alternating:
         rounds = [f"round {i + 1}" for i in range(ALTERNATING_ROUNDS)]
         common.print_table(
-            "forward + backward, FlexAttention time / project time, measured alternately "
+            "forward + backward, anchor time / project time, measured alternately "
             f"({ALTERNATING_ROUNDS} rounds of a full-length do_bench each, project first)",
-            ["workload", "mode", "min", "median", "max", *rounds],
+            ["workload", "anchor", "mode", "min", "median", "max", *rounds],
             [
-                [name, mode, *map(_ratio, (min(r), float(np.median(r)), max(r), *r))]
-                for name, mode, r in alternating
+                [name, anchor, mode, *map(_ratio, (min(r), float(np.median(r)), max(r), *r))]
+                for name, anchor, mode, r in alternating
             ],
         )
     if sustained:
@@ -329,11 +388,11 @@ def plot_sustained(sustained, folder: Path, *, title: str) -> str:
     if plt is None:
         return common.NO_MATPLOTLIB
     fig, axes = plt.subplots(1, len(sustained), figsize=(6 * len(sustained), 4), squeeze=False)
-    for ax, (name, rounds) in zip(axes[0], sustained, strict=True):
+    for ax, (name, anchor, rounds) in zip(axes[0], sustained, strict=True):
         first = rounds[0]
         for label, windows, mhz in (
             ("project", first.project_windows, first.project_mhz),
-            ("FlexAttention", first.anchor_windows, first.anchor_mhz),
+            (anchor, first.anchor_windows, first.anchor_mhz),
         ):
             elapsed_s = np.cumsum(windows) * SUSTAINED_WINDOW / 1e3
             ax.plot(elapsed_s, windows, label=f"{label} (mean {mhz:.0f} MHz)")
@@ -349,10 +408,10 @@ def plot_sustained(sustained, folder: Path, *, title: str) -> str:
 
 def print_sustained(sustained) -> None:
     rows = [
-        [name, i + 1, f"{r.project_ms:.4f}", f"{r.project_mhz:.0f}", f"{r.project_mj:.0f}",
-         f"{r.anchor_ms:.4f}", f"{r.anchor_mhz:.0f}", f"{r.anchor_mj:.0f}",
-         _ratio(r.anchor_ms / r.project_ms)]
-        for name, rounds in sustained
+        [name, anchor, i + 1, f"{r.project_ms:.4f}", f"{r.project_mhz:.0f}",
+         f"{r.project_mj:.0f}", f"{r.anchor_ms:.4f}", f"{r.anchor_mhz:.0f}",
+         f"{r.anchor_mj:.0f}", _ratio(r.anchor_ms / r.project_ms)]
+        for name, anchor, rounds in sustained
         for i, r in enumerate(rounds)
     ]  # fmt: skip
     common.print_table(
@@ -361,21 +420,22 @@ def print_sustained(sustained) -> None:
         "energy counter)",
         [
             "workload",
+            "anchor",
             "round",
             "project ms",
             "project MHz",
             "project mJ",
-            "flex ms",
-            "flex MHz",
-            "flex mJ",
-            "x flex",
+            "anchor ms",
+            "anchor MHz",
+            "anchor mJ",
+            "x anchor",
         ],
         rows,
     )
 
 
 def _ratio(x: float) -> str:
-    """A ratio to three decimals (the goals sit at 2 and 1.5: "2" would not say which side)."""
+    """A ratio to three decimals (a goal at 1.15 needs the third to say which side)."""
     return f"{x:.3f}"
 
 
@@ -403,102 +463,75 @@ def host_us(step, calls: int = 30) -> float:
     return elapsed / calls * 1e6
 
 
-@contextlib.contextmanager
-def forward_tma(w: Workload, enabled: bool):
-    """Run ``w``'s calls with the forward's K/V streamed through TMA descriptors or not."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
-    short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
-    table = jfa_triton.config_table(short_keys=short, rel_bias=False)
-    base = table[HEAD_DIM]
-    table[HEAD_DIM] = dataclasses.replace(base, fwd_tma=enabled)
-    try:
-        yield
-    finally:
-        table[HEAD_DIM] = base
-
-
-@contextlib.contextmanager
-def launch_plans(enabled: bool):
-    """Run calls with the eager launch plans (``jagged_flash_attention._plan``: a repeated
-    call goes straight to its kernel) or without (every call the ordinary way)."""
-    from gem_jagged.ops.jagged_flash_attention import _plan
-
-    key_of = _plan.key_of
-    if not enabled:
-        _plan.key_of = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        _plan.key_of = key_of
-
-
-def host_us_without_plans(step, *, rounds: int = 3) -> float:
-    """Host us per step with the launch plans off: the least of ``rounds`` measurements."""
-    with launch_plans(False):
-        return min(host_us(step) for _ in range(rounds))
-
-
-def host_us_by_forward_loads(w: Workload, step, rounds: int = 3) -> tuple[float, float]:
-    """Host us per step with the forward's K/V through TMA descriptors and by pointers: the
-    least of ``rounds`` alternating measurements each (a descriptor is encoded per launch)."""
-    times = {True: [], False: []}
+def host_us_by_forward_loads(w: Workload, q, k, v, do, backward, dtype, rounds: int = 3):
+    """Host us per step of the public function with the forward's K/V through TMA descriptors
+    and by pointers: the least of ``rounds`` alternating measurements each (a descriptor is
+    encoded per launch)."""
+    base = default_config(w, False, dtype)
+    times = {loads: [] for loads in KeyLoads}
     for _ in range(rounds):
-        for enabled in (True, False):
-            with forward_tma(w, enabled):
-                times[enabled].append(host_us(step))
-    return min(times[True]), min(times[False])
+        for loads in KeyLoads:
+            fn = project_fn(w, q, k, v, "cuda", config=dataclasses.replace(base, key_loads=loads))
+            times[loads].append(host_us(_step(fn, q, k, v, do, backward)))
+    return min(times[KeyLoads.TMA]), min(times[KeyLoads.POINTERS])
 
 
 def run_host_cost(dtype, only=()) -> None:
-    """Host cost per call against device time, this version (the forward's K/V through TMA
-    descriptors and by pointers; without launch plans) and the custom op rebuilding lists;
-    without a relative bias."""
-    from gem_jagged import _worklist
-
+    """Host cost per call against device time, eager: the public function with the forward's
+    K/V through TMA descriptors and by pointers (offsets tensors: a batch built per call), and
+    over a prebuilt ``JaggedBatch`` (its work lists built once); without a relative bias."""
     rows = []
-    for w in workloads(False, only):
-        q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
+    for w in detail_workloads(only):
+        q, k, v, do = ab.make_inputs(w, "cuda", dtype, w.heads, w.head_dim)
         public = project_fn(w, q, k, v, "cuda")
-        q_off = common.offsets_of(w.q_lengths, "cuda")
-        kv_off = common.offsets_of(w.kv_lengths, "cuda")
-        max_len = int(w.q_lengths.max())
-
-        def custom_op(q, k, v, q_off=q_off, kv_off=kv_off, max_len=max_len, causal=w.causal):
-            """The custom op, its work lists built on every call (no cache, no launch plans:
-            timed under ``launch_plans(False)``)."""
-            _worklist.clear_cache()
-            return _op.attention_forward(
-                q, k, v, q_off, kv_off, None, causal, HEAD_DIM**-0.5, max_len, "triton"
-            )[0]
-
+        prebuilt = project_fn(w, q, k, v, "cuda", prebuilt=True)
         for backward in (False, True):
             device_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms,
                                  graph=True)  # fmt: skip
             eager_ms = ab.timed(public, q, k, v, do, backward=backward, bench=common.bench_ms)
             rows.append(
                 [w.name, "fwd+bwd" if backward else "fwd",
-                 *host_us_by_forward_loads(w, _step(public, q, k, v, do, backward)),
-                 host_us_without_plans(_step(public, q, k, v, do, backward)),
-                 host_us_without_plans(_step(custom_op, q, k, v, do, backward), rounds=1),
+                 *host_us_by_forward_loads(w, q, k, v, do, backward, dtype),
+                 min(host_us(_step(prebuilt, q, k, v, do, backward)) for _ in range(3)),
                  device_ms * 1e3, eager_ms * 1e3]
             )  # fmt: skip
     common.print_table(
         "host cost per call (CPU us to issue one step, no sync) against device time; no "
         "relative bias, whatever --rel-bias says",
         ["workload", "pass", "host us (public fn, fwd TMA)", "host us (public fn, fwd pointers)",
-         "host us (public fn, no launch plans)", "host us (custom op, lists rebuilt)",
-         "device us (graph replay)",
+         "host us (public fn, prebuilt JaggedBatch)", "device us (graph replay)",
          "eager us (median, synced)"],
         rows,
     )  # fmt: skip
 
 
+def _with(base, **changes):
+    """``base`` with ``changes``: ``fwd_…``, ``dkdv_…``, ``dq_…`` tile fields (``block_m``,
+    ``block_n``, ``warps``, ``stages``) of one kernel, or the config's own fields."""
+    kernels = {"fwd": "forward", "dkdv": "dkdv", "dq": "dq"}
+    tiles, own = {}, {}
+    for key, value in changes.items():
+        kernel, _, field = key.partition("_")
+        if kernel in kernels and field in ("block_m", "block_n", "warps", "stages"):
+            tiles.setdefault(kernels[kernel], {})[field] = value
+        else:
+            own[key] = value
+    for kernel, fields in tiles.items():
+        own[kernel] = dataclasses.replace(getattr(base, kernel), **fields)
+    return dataclasses.replace(base, **own)
+
+
 def _sweep_variants(base, workload: str):
-    r = dataclasses.replace
+    r = _with
+    tma, pointers = KeyLoads.TMA, KeyLoads.POINTERS
+    gluon, triton = KernelImpl.GLUON_HOPPER, KernelImpl.TRITON
+    on_tma = base.key_loads == tma
+    dkdv_gluon, dq_gluon = base.dkdv_impl == gluon, base.dq_impl == gluon
+    fwd_gluon = base.forward_impl == gluon
+    all_gluon = dict(forward_impl=gluon, dkdv_impl=gluon, dq_impl=gluon)
     variants = {
         "default": base,
-        "fwd+dq m128 w8, dkdv s3 (the default before, and the bias table's until 2026-11-30)": r(
+        "fwd+dq m128 w8, dkdv s3 (the default before, and the bias table's)": r(
             base, fwd_block_m=128, fwd_warps=8, dq_block_m=128, dq_warps=8, dkdv_stages=3
         ),
         "fwd s2": r(base, fwd_stages=2),
@@ -506,10 +539,10 @@ def _sweep_variants(base, workload: str):
         "fwd+dq n32": r(base, fwd_block_n=32, dq_block_n=32),
         "dkdv m32": r(base, dkdv_block_m=32),
         "dkdv s3": r(base, dkdv_stages=3),
-        "dq s2" if base.dq_stages > 2 else "dq s3": r(
-            base, dq_stages=2 if base.dq_stages > 2 else 3
+        "dq s2" if base.dq.stages > 2 else "dq s3": r(
+            base, dq_stages=2 if base.dq.stages > 2 else 3
         ),
-        "fwd tma" if not base.fwd_tma else "fwd pointers": r(base, fwd_tma=not base.fwd_tma),
+        "fwd pointers" if on_tma else "fwd tma": r(base, key_loads=pointers if on_tma else tma),
         "fwd m128 w8": r(base, fwd_block_m=128, fwd_warps=8),
         "fwd n128 s2": r(base, fwd_block_n=128, fwd_stages=2),
         "fwd w8": r(base, fwd_warps=8),
@@ -520,49 +553,53 @@ def _sweep_variants(base, workload: str):
             dq_block_m=64,
             dq_warps=4,
             dkdv_stages=2,
-            fwd_tma=True,
+            key_loads=tma,
         ),
-        "fwd m64 w4 tma, dq as is": r(base, fwd_block_m=64, fwd_warps=4, fwd_tma=True),
+        "fwd m64 w4 tma, dq as is": r(base, fwd_block_m=64, fwd_warps=4, key_loads=tma),
         "bwd: dq m64 w4, dkdv s2": r(base, dq_block_m=64, dq_warps=4, dkdv_stages=2),
         "bwd: dq m64 w4": r(base, dq_block_m=64, dq_warps=4),
         "bwd: dkdv s2": r(base, dkdv_stages=2),
-        "dkdv triton" if base.dkdv_hopper else "dkdv hopper": r(
-            base, dkdv_hopper=not base.dkdv_hopper
+        "dkdv triton" if dkdv_gluon else "dkdv hopper": r(
+            base, dkdv_impl=triton if dkdv_gluon else gluon
         ),
-        "dq triton" if base.dq_hopper else "dq hopper": r(base, dq_hopper=not base.dq_hopper),
-        "fwd triton" if base.fwd_hopper else "fwd hopper": r(base, fwd_hopper=not base.fwd_hopper),
-        "all hopper, dkdv s3": r(
-            base, fwd_hopper=True, dkdv_hopper=True, dq_hopper=True, dkdv_stages=3
+        "dq triton" if dq_gluon else "dq hopper": r(base, dq_impl=triton if dq_gluon else gluon),
+        "fwd triton" if fwd_gluon else "fwd hopper": r(
+            base, forward_impl=triton if fwd_gluon else gluon
         ),
-        "dkdv hopper s4": r(base, dkdv_hopper=True, dkdv_stages=4),
+        "all hopper, dkdv s3": r(base, **all_gluon, dkdv_stages=3),
+        "dkdv hopper s4": r(base, dkdv_impl=gluon, dkdv_stages=4),
         "dkdv hopper n64 w4 s2": r(
-            base, dkdv_hopper=True, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=2
+            base, dkdv_impl=gluon, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=2
         ),
         "dkdv hopper n64 w4 s3": r(
-            base, dkdv_hopper=True, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=3
+            base, dkdv_impl=gluon, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=3
         ),
         "dkdv hopper n128 w8 s2": r(
-            base, dkdv_hopper=True, dkdv_block_n=128, dkdv_warps=8, dkdv_stages=2
+            base, dkdv_impl=gluon, dkdv_block_n=128, dkdv_warps=8, dkdv_stages=2
         ),
-        "fwd hopper s2": r(base, fwd_hopper=True, fwd_stages=2),
-        "fwd hopper s4": r(base, fwd_hopper=True, fwd_stages=4),
-        "fwd hopper n128 s2": r(base, fwd_hopper=True, fwd_block_n=128, fwd_stages=2),
-        "fwd hopper m128 w8": r(base, fwd_hopper=True, fwd_block_m=128, fwd_warps=8),
+        "fwd hopper s2": r(base, forward_impl=gluon, fwd_stages=2),
+        "fwd hopper s4": r(base, forward_impl=gluon, fwd_stages=4),
+        "fwd hopper n128 s2": r(base, forward_impl=gluon, fwd_block_n=128, fwd_stages=2),
+        "fwd hopper m128 w8": r(base, forward_impl=gluon, fwd_block_m=128, fwd_warps=8),
         "fwd n32 (3 programs per SM)": r(base, fwd_block_n=32),
         "dq n32": r(base, dq_block_n=32),
     }
     if workload == "J3":  # the short-keys table (64-key dK/dV tiles, 32 query rows, 4 warps)
         variants |= {
-            "dkdv m64 n64 w8 s2 (the J3 default until 2026-11-30)": r(
-                base, dkdv_block_m=64, dkdv_warps=8, dkdv_stages=2, dq_in_dkdv=False
-            ),
+            "dkdv m64 n64 w8 s2 (the J3 default before)": r(
+                base,
+                dkdv_block_m=64,
+                dkdv_warps=8,
+                dkdv_stages=2,
+                dq_placement=DqPlacement.OWN_KERNEL,
+            ),  # fmt: skip
             "dkdv s3": r(base, dkdv_stages=3),
             "dkdv s4": r(base, dkdv_stages=4),
             "dkdv m16": r(base, dkdv_block_m=16),
             "dkdv m16 s3": r(base, dkdv_block_m=16, dkdv_stages=3),
             "dkdv s3 w8": r(base, dkdv_stages=3, dkdv_warps=8),
             "dq kernel for every sequence, dkdv s4 (the J3 default before)": r(
-                base, dq_in_dkdv=False, dkdv_stages=4
+                base, dq_placement=DqPlacement.OWN_KERNEL, dkdv_stages=4
             ),
         }
     return variants
@@ -593,24 +630,20 @@ def run_sweep(dtype, only=(), rel_bias_radius=None, variants=()) -> None:
     """Device time (graph replay) of kernel configurations of the project (J1, J2, J3), with a
     relative bias of radius ``rel_bias_radius`` when given (as the main table); with
     ``variants``, only the default and the configurations whose names contain one of them."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
     rows = []
-    for w in workloads(False, only):
-        q, k, v, do = ab.make_inputs(w, "cuda", dtype, HEADS, HEAD_DIM)
+    for w in detail_workloads(only):
+        q, k, v, do = ab.make_inputs(w, "cuda", dtype, w.heads, w.head_dim)
         flops_f, flops_b = (
-            common.attention_flops(w.pairs(), heads=HEADS, head_dim=HEAD_DIM, backward=b)
+            common.attention_flops(w.pairs(), heads=w.heads, head_dim=w.head_dim, backward=b)
             for b in (False, True)
         )
-        fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius)
-        short = w.kv_lengths.mean() <= jfa_triton.SHORT_KEYS
-        table = jfa_triton.config_table(short_keys=short, rel_bias=rel_bias_radius is not None)
-        base = table[HEAD_DIM]
-        want = _results(fn, q, k, v, do)
+        default_fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius)
+        base = default_config(w, rel_bias_radius is not None, dtype)
+        want = _results(default_fn, q, k, v, do)
         for name, cfg in _sweep_variants(base, w.name).items():
             if variants and name != "default" and not any(v in name for v in variants):
                 continue
-            table[HEAD_DIM] = cfg
+            fn = project_fn(w, q, k, v, "cuda", rel_bias_radius=rel_bias_radius, config=cfg)
             try:
                 deviation = _worst_deviation(_results(fn, q, k, v, do), want)
                 t_f, t_b = (
@@ -624,8 +657,7 @@ def run_sweep(dtype, only=(), rel_bias_radius=None, variants=()) -> None:
                 [w.name, name, t_f, common.tflops(flops_f, t_f), t_b - t_f, t_b,
                  common.tflops(flops_b, t_b), deviation]
             )  # fmt: skip
-        table[HEAD_DIM] = base
-        print_kernel_profile(w.name, fn, q, k, v, do)
+        print_kernel_profile(w.name, default_fn, q, k, v, do)
     common.print_table(
         "kernel config sweep (device time: CUDA-graph replays of the public function"
         + ("" if rel_bias_radius is None else f", rel_bias R={rel_bias_radius}")
@@ -685,8 +717,10 @@ if __name__ == "__main__":
     )  # fmt: skip
     args = parser.parse_args()
     only = tuple(name for value in args.only for name in value.split(",") if name)
-    if unknown := set(only) - {"J1", "J2", "J3"}:
-        parser.error(f"--only: unknown workload(s) {sorted(unknown)}; choose from J1, J2, J3")
+    if unknown := set(only) - set(WORKLOAD_IDS):
+        parser.error(
+            f"--only: unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOAD_IDS)}"
+        )
     run(
         args.smoke, args.sweep, args.project_only, args.quick, only, args.rel_bias,
         tuple(args.variants),

@@ -4,9 +4,10 @@ Three tables, all on the CPU (the balancer is host-side Python):
 
 1. The B1 simulation (64 ranks, local batch 1024 from 128-sample sub-batches, J1 lengths, cost
    ``L + L²/1024``): per-step max/mean rank cost, mean and p99, for no shuffling, the shuffler
-   (cold running estimate, the running estimate as it stands after 1000 steps, a calibrated
-   shared ``expected_cost``) and the global capped-LPT optimum; the share of the possible
-   improvement captured.
+   (as it runs by default, the mean agreed once over every rank's first look-ahead; the cold
+   running estimate; the running estimate as it stands after 1000 steps; a calibrated shared
+   ``expected_cost``) and the global capped-LPT optimum; the share of the possible improvement
+   captured. The goal row is the default's share.
 2. Partition methods head to head with few items per part (6, 8, 16) and more (128), on B1's
    heavy-tailed costs and on mild (uniform) costs: the heaviest part over the lower bound
    ``max(mean part, largest item)``, so the figure over-states the gap to the true optimum.
@@ -30,12 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 from gem_loadbalance import (  # noqa: E402
     BaseBatchShuffler,
+    ShufflerConfig,
     part_loads,
     partition,
     sample_cost,
 )
 from gem_loadbalance.local_batch import batch_target, deadline_floor, plan_local_batch  # noqa: E402
 from gem_loadbalance.simulate import (  # noqa: E402
+    AGREED,
     SimulationConfig,
     _RankStreams,
     format_table,
@@ -43,6 +46,7 @@ from gem_loadbalance.simulate import (  # noqa: E402
 )
 
 B1 = common.WORKLOADS["B1"]
+DEFAULTS = ShufflerConfig(local_batch_size=1)  # the shuffler's default options
 
 
 def b1_costs(n, seed):
@@ -95,13 +99,16 @@ def planner_ms(local_batch, calls):
             mean_cost=mean,
             pool_cost=float(costs.sum()),
             pool_count=costs.size,
-            headroom=0.01,
-            gain=1.0,
+            headroom=DEFAULTS.headroom,
+            gain=DEFAULTS.gain,
         )
-        target = max(target, deadline_floor(costs, natural, step=2, count=local_batch, max_delay=2))
+        floor = deadline_floor(
+            costs, natural, step=2, count=local_batch, max_delay=DEFAULTS.max_delay
+        )
+        target = max(target, floor)
         plan_local_batch(
             costs, natural, step=2, count=local_batch, target=target * (0.98 + 0.0004 * i),
-            max_delay=2, lookahead=2,
+            max_delay=DEFAULTS.max_delay, lookahead=DEFAULTS.lookahead,
         )  # fmt: skip
 
     return _median_ms(plan, calls)
@@ -162,21 +169,22 @@ def main(argv=None):
         calibrated_max_over_mean=float(result.ratios["shuffler, calibrated expected_cost"].mean()),
         captured_calibrated=result.captured("shuffler, calibrated expected_cost"),
         captured_cold=result.captured("shuffler, running estimate (cold)"),
+        default_max_over_mean=float(result.ratios[AGREED].mean()),
+        captured_default=result.captured(AGREED),
         plan_ms=plan[0],
         next_ms=whole[0],
     )
-    calibrated = "shuffler, calibrated expected_cost"
     common.record_goal(
         benchmark="loadbalance_b1",
-        goal="Base Batch Shuffling, share of the possible improvement",
+        goal="Base Batch Shuffling (default calibration), share of the possible improvement",
         workload="B1",
-        gemkit=float(result.ratios[calibrated].mean()),
+        gemkit=float(result.ratios[AGREED].mean()),
         anchor="global optimum",
         anchor_value=float(result.optimum.mean()),
-        ratio=result.captured(calibrated),
+        ratio=result.captured(AGREED),
         unit="max/mean",
         basis="simulated steps",
-        target=None,
+        target=0.97,
     )
 
 

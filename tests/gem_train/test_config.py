@@ -1,9 +1,24 @@
 """Named configs, flag overrides and their errors, and the command line's help."""
 
+import dataclasses
+import math
+import re
+
 import pytest
 import torch
 from gem_train import cli
-from gem_train.config import NAMED_CONFIGS, ConfigError, apply_overrides, fields_of, named_config
+from gem_train.config import (
+    NAMED_CONFIGS,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    apply_overrides,
+    fields_of,
+    named_config,
+)
+from gem_train.config_fields import Range
 
 
 @pytest.mark.parametrize("name", list(NAMED_CONFIGS))
@@ -49,7 +64,7 @@ def test_overrides_convert_by_type():
         ),
         ({"model.attention": "flash"}, "model.attention must be one of"),
         ({"data.batch_size": "10"}, "data.batch_size must be a multiple of data.sub_batch_size"),
-        ({"optim.lr": "-1"}, "optim.lr must be positive"),
+        ({"optim.lr": "-1"}, "optim.lr must be finite and > 0"),
         ({"data.shuffle": "maybe"}, "data.shuffle must be a boolean"),
         ({"model.widht": "3"}, "unknown field 'model.widht'"),
         ({"data.source": "parquet"}, "data.path must be a Parquet file"),
@@ -108,3 +123,71 @@ def test_the_fused_embedding_optimizer_needs_native_tables_on_one_process():
     no_tables = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="set model.embeddings=native"):
         fuse_embedding_optimizer(cfg, no_tables, world=1)
+
+
+def _numeric_fields() -> list[tuple[str, type, object, Range]]:
+    """``(flag name, type, owner dataclass, declared range)`` of every int / float field."""
+    out = []
+    for name, (owner, kind, _) in fields_of(named_config("tiny")).items():
+        if kind in (int, float):
+            declared = {f.name: f for f in dataclasses.fields(owner)}[name.split(".")[-1]]
+            out.append((name, kind, owner, declared.metadata["range"]))
+    return out
+
+
+def _bad_values(kind: type, bounds: Range) -> list:
+    """NaN, the infinities, and the nearest values outside the declared range."""
+    values = [math.nan, math.inf, -math.inf]
+    step = 1 if kind is int else 0.5
+    if bounds.low is not None:
+        values.append(bounds.low if bounds.low_open else bounds.low - step)
+    if bounds.high is not None:
+        values.append(bounds.high if bounds.high_open else bounds.high + step)
+    return values
+
+
+BAD_NUMBERS = [
+    pytest.param(name, kind, owner, value, id=f"{name}={value}")
+    for name, kind, owner, bounds in _numeric_fields()
+    for value in _bad_values(kind, bounds)
+]
+
+
+def test_every_numeric_field_declares_its_range():
+    fields = _numeric_fields()
+    assert len(fields) > 40
+    for name, _, _, bounds in fields:
+        assert bounds.low is not None or bounds.high is not None, f"{name} declares no range"
+
+
+@pytest.mark.parametrize(("name", "kind", "owner", "value"), BAD_NUMBERS)
+def test_every_numeric_flag_refuses_nan_inf_and_out_of_range(name, kind, owner, value):
+    """As a flag (``--data.sigma inf``): refused before anything trains, the field named."""
+    text = repr(int(value)) if kind is int and math.isfinite(value) else repr(float(value))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)} must be "):
+        apply_overrides(named_config("tiny"), {name: text})
+
+
+@pytest.mark.parametrize(("name", "kind", "owner", "value"), BAD_NUMBERS)
+def test_every_numeric_field_refuses_bad_values_on_construction(name, kind, owner, value):
+    """Built in Python (``DataConfig(sigma=math.inf)``): refused by the dataclass itself."""
+    if kind is int and math.isfinite(value):
+        value = int(value)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)} must be "):
+        type(owner)(**{name.split(".")[-1]: value})
+
+
+def test_numeric_messages_say_what_is_expected():
+    with pytest.raises(ConfigError, match=r"^data\.sigma must be finite and ≥ 0, got inf$"):
+        apply_overrides(named_config("tiny"), {"data.sigma": "inf"})
+    with pytest.raises(ConfigError, match=r"^steps must be an integer, got 1\.5$"):
+        TrainConfig(steps=1.5)
+    with pytest.raises(
+        ConfigError, match=r"^optim\.beta2 must be finite and in \[0, 1\), got 1\.0$"
+    ):
+        OptimConfig(beta2=1.0)
+    with pytest.raises(ConfigError, match=r"^model\.d_model must be an integer, got True$"):
+        ModelConfig(d_model=True)
+    assert (
+        DataConfig(sigma=0.0, teacher_strength=0.0).sigma == 0.0
+    )  # constant lengths, noise labels

@@ -1,4 +1,4 @@
-"""The model: jagged and padded attention agree, both embedding libraries agree, every variant trains."""
+"""The model: jagged, flex and padded attention agree, both embedding libraries agree, every variant trains."""
 
 import pytest
 import torch
@@ -50,6 +50,20 @@ def test_jagged_and_padded_attention_compute_the_same_model(small, sdpa_call_ele
         torch.testing.assert_close(grads_j[name], grads_p[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_flex_history_attention_computes_the_jagged_model(small):
+    """``model.attention=flex`` (pooling left jagged) is the jagged model: loss and gradients."""
+    lengths = {"data__min_len": 0, "data__median_len": 2, "data__sigma": 1.5}
+    jagged, flex = small(**lengths), small(**lengths, model__attention="flex")
+    batch = _batch(jagged)
+    assert (batch.lengths == 0).any() and batch.lengths.max() > 4  # empty histories included
+    _, loss_j, grads_j = _loss_and_grads(jagged, batch)
+    _, loss_f, grads_f = _loss_and_grads(flex, batch)
+    torch.testing.assert_close(loss_j, loss_f, rtol=1e-5, atol=1e-6)
+    assert grads_j.keys() == grads_f.keys()
+    for name in grads_j:
+        torch.testing.assert_close(grads_j[name], grads_f[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.skipif(not torchrec_available(), reason="torchrec is not installed")
 def test_torchrec_and_native_embeddings_agree(small):
     native, torchrec = small(), small(model__embeddings="torchrec")
@@ -78,8 +92,9 @@ def test_torchrec_and_native_embeddings_agree(small):
     [
         {"model__ffn": "moe", "model__n_experts": 4, "model__top_k": 2},
         {"model__attention": "block", "model__block_size": 16},
+        {"model__attention": "flex", "model__pooling_attention": "flex"},
     ],
-    ids=["moe", "block_attention"],
+    ids=["moe", "block_attention", "flex_anchor"],
 )
 def test_variants_run_forward_and_backward(small, variant):
     cfg = small(**variant)

@@ -104,6 +104,31 @@ def test_the_table_replaces_only_what_lies_between_the_markers(fixture_run):
     assert results_table.main([*args, "--check"]) == 0
 
 
+def test_a_retired_goal_leaves_the_table_with_a_line_that_names_it(fixture_run):
+    results, readme = fixture_run
+    write_jsonl(results / "2026-02-02-retire.jsonl", [
+        dict(kind="retire", goal="speed", date="2026-02-02", reason="a stronger anchor"),
+    ])  # fmt: skip
+    assert results_table.main(["--results", str(results), "--readme", str(readme)]) == 0
+    table = readme.read_text().split(results_table.BEGIN)[1].split(results_table.END)[0]
+    assert "| speed |" not in table
+    assert "Retired 2026-02-02: *speed* (a stronger anchor)." in table
+    # A row measured after the retirement comes back.
+    later = goal("speed", "2026-02-03", 3.0)
+    rows = results_table.without_retired(
+        [goal("speed", "2026-02-01", 2.5), later],
+        [dict(kind="retire", goal="speed", date="2026-02-02", reason="r")],
+    )
+    assert rows == [later]
+
+
+def test_a_retire_row_without_its_reason_is_refused(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_jsonl(path, [dict(kind="retire", goal="speed", date="2026-01-01")])
+    with pytest.raises(ValueError, match=r"run\.jsonl:1: a retire row needs goal, date, reason"):
+        results_table.goal_rows([path])
+
+
 def test_a_target_on_the_figure_itself_is_missed_below_it():
     row = goal("bandwidth", "2026-01-01", 1.2, gemkit=3.17, target=3.5, target_of="gemkit")
     assert results_table.met(row) is False

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from gem_jagged import block_attention
+from gem_jagged.ops.block_attention import BlockAttentionConfig, config_for
 from gem_jagged.ops.block_attention._op import block_attention_op
 from gem_jagged.ops.block_attention.reference import block_attention_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
@@ -117,6 +118,37 @@ def test_opcheck():
     torch.library.opcheck(block_attention_op, args)
 
 
+# (block_size, head_dim) -> warps of forward and backward; every cell of ``config_for``, the
+# values the launchers used before the configuration became an argument.
+PINNED_WARPS = {
+    (1, 32): 4, (16, 32): 4, (64, 32): 4, (128, 32): 4,
+    (1, 64): 4, (16, 64): 4, (64, 64): 4, (65, 64): 8, (128, 64): 8,
+    (1, 128): 4, (32, 128): 4, (33, 128): 8, (64, 128): 8, (128, 128): 8,
+}  # fmt: skip
+
+
+def test_config_for_pins_the_warps():
+    for (block_size, head_dim), warps in PINNED_WARPS.items():
+        config = config_for(block_size=block_size, head_dim=head_dim)
+        expected = BlockAttentionConfig(fwd_warps=warps, bwd_warps=warps, stages=1)
+        assert config == expected, (block_size, head_dim)
+        assert BlockAttentionConfig.from_ints(config.as_ints()) == config
+
+
+def test_explicit_config_reaches_the_kernels():
+    """``config=`` is used as given (through the custom op too); anything else is refused."""
+    q, k, v, offsets, _ = _case([9, 0, 20], heads=2, head_dim=32, device="cpu", seed=4)
+    q, k, v = q.float(), k.float(), v.float()
+    config = BlockAttentionConfig(fwd_warps=2, bwd_warps=8, stages=2)
+    expected = block_attention(q, k, v, offsets, block_size=8, backend="reference")
+    got = block_attention(q, k, v, offsets, block_size=8, backend="triton", config=config)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    args = (q, k, v, offsets, 8, True, None, 32**-0.5, "triton", config.as_ints())
+    torch.testing.assert_close(block_attention_op(*args), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="config must be a BlockAttentionConfig"):
+        block_attention(q, k, v, offsets, config={"fwd_warps": 4})
+
+
 def _compiled_matches_eager(device, backend, dtype, compile_backend):
     q, k, v, offsets, do = _case([5, 0, 17], heads=2, head_dim=32, device=device, seed=9)
 
@@ -142,7 +174,7 @@ BAD_INPUTS = {
     "decreasing offsets": (dict(offsets=lambda o: torch.tensor([0, 6, 4, 8])), "non-decreasing"),
     "last offset != tokens": (
         dict(offsets=lambda o: torch.tensor([0, 2, 4, 7])),
-        "must equal the number of tokens 8",
+        r"offsets\[-1\] = 7 must equal the number of tokens of q \(8\)",
     ),
     "dtype mismatch": (dict(v=lambda t: t.half()), "v has dtype torch.float16"),
     "device mismatch": (dict(k=lambda t: t.to("meta")), "k is on meta"),

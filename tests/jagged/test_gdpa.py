@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from gem_jagged import gdpa
-from gem_jagged.ops.gdpa import ACTIVATIONS
+from gem_jagged.batch import JaggedBatch
+from gem_jagged.ops.gdpa import ACTIVATIONS, GdpaTiles, Regime, SigmoidForm, regime_for, tiles_for
+from gem_jagged.ops.gdpa import triton as kernels
 from gem_jagged.ops.gdpa._op import gdpa_op
 from gem_jagged.ops.gdpa.reference import gdpa_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
@@ -78,10 +80,21 @@ def _reference_autograd(q, k, v, q_off, kv_off, rel_bias, grad_out, *, dtype, **
 NAMES = ["out", "dq", "dk", "dv", "d_rel_bias"]
 
 
-def _check_against_fp64(case, *, dtype, options):
+INTERPRETER_TILES = tiles_for(
+    arch="interpreter", dtype=torch.float32, head_dim=32, regime=Regime.PLAIN
+)
+
+
+def _batch(q_off, kv_off):
+    """The ``JaggedBatch`` the launchers keep their work lists in (PMA: the key offsets)."""
+    q_off = kv_off if q_off is None else q_off
+    return JaggedBatch.of_owned(q_off, q_off if kv_off is None else kv_off, max_len=None)
+
+
+def _check_against_fp64(case, *, dtype, options, tiles=None):
     exact = _reference_autograd(*case, dtype=torch.float64, **options)
     lowp = _reference_autograd(*case, dtype=dtype, **options)
-    kernel = _run(*case, dtype=dtype, backend="triton", **options)
+    kernel = _run(*case, dtype=dtype, backend="triton", tiles=tiles, **options)
     for name, got, ref_lowp, ref64 in zip(NAMES, kernel, lowp, exact, strict=False):
         factor = 2.0 if name == "out" else 5.0
         assert_within_reference_error(got, ref_lowp, ref64, factor=factor, name=name)
@@ -116,22 +129,20 @@ def test_triton_forward_and_gradients_match_fp64(
     ("lengths", "mode", "causal"),
     [([300, 129, 1, 0, 200], "self", True), ([150, 9, 0, 70], "cross", False)],
 )
-def test_gpu_tile_shapes_with_a_wide_bias_under_the_interpreter(monkeypatch, lengths, mode, causal):
+def test_gpu_tile_shapes_with_a_wide_bias_under_the_interpreter(lengths, mode, causal):
     """The GPU tiles of head dim 64 (128 × 64 forward and dQ, 64 × 64 dK/dV) on the CPU with
     R = 40: band tiles reach both clamped edges and need two skewed reads of dS for their
-    interior diagonals, as on the GPU."""
-    from gem_jagged.ops.gdpa import triton as gdpa_triton
-
-    gpu_tiles = gdpa_triton.GdpaTiles(
-        fwd_warps=4, dkdv_warps=4, dq_warps=4, dkdv_m=64, dkdv_n=64
-    )  # default_tiles' bf16 choice for head dim 64
-    monkeypatch.setattr(gdpa_triton, "default_tiles", lambda *args, **kwargs: gpu_tiles)
+    interior diagonals, as on the GPU. (The exact sigmoid: the interpreter has no inline asm.)"""
+    gpu_tiles = dataclasses.replace(
+        tiles_for(arch="cuda", dtype=torch.bfloat16, head_dim=64, regime=Regime.RELATIVE_BIAS),
+        sigmoid=SigmoidForm.EXACT,
+    )
     case = _case(
         lengths, mode=mode, heads=2, head_dim=64, dtype=torch.float32, device="cpu", seed=5,
         bias=True, radius=40, kv_len=100,
     )  # fmt: skip
     options = dict(activation="silu", causal=causal, broadcast_q=False, out_scale=0.5)
-    _check_against_fp64(case, dtype=torch.float32, options=options)
+    _check_against_fp64(case, dtype=torch.float32, options=options, tiles=gpu_tiles)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -161,11 +172,14 @@ def test_pma_one_seed_and_head_dim_128():
 
 
 @pytest.mark.parametrize("mode", ["cross", "pma"])
-def test_work_list_schedule_matches_per_sequence(mode):
-    """Cross-attention and PMA have two schedules (per-sequence grid, device work list)."""
-    import dataclasses
-
-    from gem_jagged.ops.gdpa import triton as kernels
+def test_prototype_work_list_schedule_matches_per_sequence(mode):
+    """Cross-attention and PMA on the prototype's work-list entry points give what production's
+    per-sequence schedule gives."""
+    from gem_jagged.prototype.gdpa import (
+        gdpa_backward_work_list,
+        gdpa_forward_work_list,
+        work_list_options_for,
+    )
 
     q, k, v, q_off, kv_off, rel_bias, do = (
         t if t is None or not t.is_floating_point() else t.float()
@@ -177,15 +191,22 @@ def test_work_list_schedule_matches_per_sequence(mode):
     q_off = kv_off if q_off is None else q_off
     options = dict(
         activation="silu", causal=True, scale=0.2, out_scale=1.0, broadcast_q=mode == "pma",
-        rel_bias_NB=rel_bias, is_cross=True,
+        rel_bias_NB=rel_bias, tiles=INTERPRETER_TILES,
     )  # fmt: skip
-    results = []
-    for schedule in ("per_sequence", "work_list"):
-        tiles = dataclasses.replace(kernels.INTERPRETER_TILES, cross_schedule=schedule)
-        out = kernels.gdpa_forward(q, k, v, q_off, kv_off, tiles=tiles, **options)
-        grads = kernels.gdpa_backward(do, q, k, v, q_off, kv_off, tiles=tiles, **options)
-        results.append([out, *grads])
-    for name, a, b in zip(NAMES, *results, strict=True):
+    batch = _batch(q_off, kv_off)
+    production = [
+        kernels.gdpa_forward(q, k, v, q_off, kv_off, is_cross=True, batch=batch, **options),
+        *kernels.gdpa_backward(do, q, k, v, q_off, kv_off, is_cross=True, batch=batch, **options),
+    ]
+    work_list = work_list_options_for(arch="interpreter")
+    batch = _batch(q_off, kv_off)
+    prototype = [
+        gdpa_forward_work_list(q, k, v, q_off, kv_off, batch=batch, options=work_list, **options),
+        *gdpa_backward_work_list(
+            do, q, k, v, q_off, kv_off, batch=batch, options=work_list, **options
+        ),
+    ]
+    for name, a, b in zip(NAMES, production, prototype, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -193,10 +214,6 @@ def test_work_list_schedule_matches_per_sequence(mode):
 def test_cross_backward_is_the_same_for_every_chunking_of_the_queries(causal):
     """Cross-attention dK/dV sums chunks of query tiles in fp32; chunks of 1, 2 or 3 tiles and a
     single chunk give the same gradients (lengths of 0 to 11 tiles of 16, keys of 1 to 70)."""
-    import dataclasses
-
-    from gem_jagged.ops.gdpa import triton as kernels
-
     q, k, v, q_off, kv_off, rel_bias, do = (
         t if not t.is_floating_point() else t.float()
         for t in _case(
@@ -206,13 +223,11 @@ def test_cross_backward_is_the_same_for_every_chunking_of_the_queries(causal):
     )  # fmt: skip
     options = dict(
         activation="silu", causal=causal, scale=0.2, out_scale=1.0, broadcast_q=False,
-        rel_bias_NB=rel_bias, is_cross=True,
+        rel_bias_NB=rel_bias, is_cross=True, batch=_batch(q_off, kv_off),
     )  # fmt: skip
     results = []
     for min_tiles in (1, 2, 3, 100):
-        tiles = dataclasses.replace(
-            kernels.INTERPRETER_TILES, cross_min_part_tiles=min_tiles, max_split=4
-        )
+        tiles = dataclasses.replace(INTERPRETER_TILES, cross_min_part_tiles=min_tiles, max_split=4)
         results.append(kernels.gdpa_backward(do, q, k, v, q_off, kv_off, tiles=tiles, **options))
     for grads in results[1:]:
         for name, a, b in zip(NAMES[1:], results[0], grads, strict=True):
@@ -225,10 +240,6 @@ def test_cross_forward_with_its_own_tiles_matches_the_shared_ones(causal):
     everything else has 128) give the per-sequence cross forward other query tiles and another
     split than the rest: the same outputs, with keys that fit one tile (kept on chip) and keys
     that do not, whether one program takes a sequence's every tile or most programs exit."""
-    import dataclasses
-
-    from gem_jagged.ops.gdpa import triton as kernels
-
     q, k, v, q_off, kv_off, rel_bias, _ = (
         t if not t.is_floating_point() else t.float()
         for t in _case(
@@ -236,15 +247,13 @@ def test_cross_forward_with_its_own_tiles_matches_the_shared_ones(causal):
             device="cpu", seed=19, bias=True, kv_len=[5, 0, 40, 1, 16],
         )
     )  # fmt: skip
-    assert int((kv_off[1:] - kv_off[:-1]).max()) > kernels.INTERPRETER_TILES.fwd_n  # both paths
+    assert int((kv_off[1:] - kv_off[:-1]).max()) > INTERPRETER_TILES.fwd_n  # both paths
     options = dict(
         activation="silu", causal=causal, scale=0.2, out_scale=1.0, broadcast_q=False,
-        rel_bias_NB=rel_bias, is_cross=True,
+        rel_bias_NB=rel_bias, is_cross=True, batch=_batch(q_off, kv_off),
     )  # fmt: skip
-    shared = kernels.gdpa_forward(
-        q, k, v, q_off, kv_off, tiles=kernels.INTERPRETER_TILES, **options
-    )
-    base = kernels.INTERPRETER_TILES
+    shared = kernels.gdpa_forward(q, k, v, q_off, kv_off, tiles=INTERPRETER_TILES, **options)
+    base = INTERPRETER_TILES
     own = [
         dataclasses.replace(base, cross_fwd_m=32, cross_fwd_warps=2, cross_fwd_stages=1),
         dataclasses.replace(base, cross_fwd_split_target=1),  # every tile in one program
@@ -258,26 +267,6 @@ def test_cross_forward_with_its_own_tiles_matches_the_shared_ones(causal):
             atol=1e-5,
             msg=str(tiles),
         )
-
-
-def test_offsets_cache_rebuilds_for_changed_or_new_offsets():
-    from gem_jagged.ops.gdpa._offsets_cache import OffsetsCache
-
-    cache, builds = OffsetsCache(), []
-
-    def plan(offsets):
-        return cache.get((offsets,), ("plan", 16), lambda: builds.append(1) or offsets.clone())
-
-    a = torch.tensor([0, 2, 5])
-    assert plan(a) is plan(a) and len(builds) == 1  # built once per offsets tensor
-    a.add_(1)  # an in-place change bumps the version: rebuilt
-    assert torch.equal(plan(a), a) and len(builds) == 2
-    b = a.clone()
-    plan(b)
-    assert len(builds) == 3  # equal values, another tensor: its own entry
-    assert len(cache._entries) == 3
-    del b
-    assert len(cache._entries) == 2  # an entry dies with its offsets tensor
 
 
 def test_reference_gradcheck_fp64():
@@ -331,14 +320,17 @@ def test_torch_compile_fullgraph_cpu_reference():
 
 BAD_INPUTS = {
     "offsets not 1-D": (dict(q_offsets=lambda o: o[None]), "must be 1-D"),
-    "offsets not from 0": (dict(q_offsets=lambda o: o + 1), r"q_offsets\[0\] must be 0"),
+    "offsets not from 0": (
+        dict(q_offsets=lambda o: o + 1),
+        r"offsets\[0\] must be 0, got 1",
+    ),
     "decreasing offsets": (
         dict(q_offsets=lambda o: torch.tensor([0, 6, 4, 8])),
         "non-decreasing",
     ),
     "last offset != tokens": (
         dict(q_offsets=lambda o: torch.tensor([0, 2, 4, 7])),
-        "must equal the number of tokens 8",
+        r"q_offsets\[-1\] = 7 must equal the number of tokens of q \(8\)",
     ),
     "float offsets": (dict(q_offsets=lambda o: o.float()), "int32 or int64"),
     "dtype mismatch": (dict(k=lambda t: t.double()), "k has dtype torch.float64"),
@@ -360,7 +352,7 @@ BAD_INPUTS = {
     ),
     "cross batch mismatch": (
         dict(kv_offsets=lambda o: torch.tensor([0, 8])),
-        "same number of sequences",
+        "kv_offsets has 1 sequences but offsets has 3; they must match",
     ),
     "rel_bias shape": (dict(rel_bias=torch.zeros(2, 4)), "rel_bias must have shape"),
     "backend": (dict(backend="cuda"), "backend must be one of"),
@@ -512,29 +504,141 @@ def test_gpu_cuda_graph_capture(mode):
     assert math.isfinite(float(fresh[0].float().abs().sum()))
 
 
-def test_the_launchers_pick_the_bias_tiles_with_a_bias(monkeypatch):
-    """With a relative bias, forward and backward ask ``default_tiles`` for the bias path's tiles
-    (at head dim 128 on a GPU its dQ keeps 128 rows on 8 warps: 64 on 4 spill with a bias), and
-    for the plain ones without; and the two differ only in the dQ tiles."""
-    from gem_jagged.ops.gdpa import triton as kernels
+def test_tiles_for_pins_the_measured_table():
+    """Every cell of ``tiles_for`` (the table the GPU measurements chose; the same values the
+    launchers used before the configuration became an argument). Fields in ``PIN_FIELDS`` order,
+    then the sigmoid form."""
+    for (arch, dtype, head_dim, regime), expected in PINNED_TILES.items():
+        tiles = tiles_for(arch=arch, dtype=dtype, head_dim=head_dim, regime=regime)
+        got = (*(getattr(tiles, name) for name in PIN_FIELDS), tiles.sigmoid)
+        assert got == expected, (arch, dtype, head_dim, regime)
+    assert len(PINNED_TILES) == 36
 
-    asked = []
-    default_tiles = kernels.default_tiles
 
-    def spy(*args, has_bias=False, **kwargs):
-        asked.append(has_bias)
-        return default_tiles(*args, has_bias=has_bias, **kwargs)
-
-    monkeypatch.setattr(kernels, "default_tiles", spy)
-    for bias in (True, False):
-        asked.clear()
-        case = _case(
-            [5, 9], mode="self", heads=2, head_dim=32, dtype=torch.float32, device="cpu", seed=2,
-            bias=bias,
-        )  # fmt: skip
-        _run(*case, dtype=torch.float32, backend="triton", activation="silu", causal=True)
-        assert asked == [bias, bias]
-    cuda = torch.device("cuda")
-    plain, with_bias = (default_tiles(cuda, 128, torch.bfloat16, has_bias=b) for b in (0, 1))
+def test_the_bias_regime_changes_only_the_dq_tiles():
+    """A learned relative bias picks the bias regime, whose head-dim-128 GPU tiles keep dQ at 128
+    rows on 8 warps (64 on 4 spill in the bias gradient); everything else is the same."""
+    assert regime_for(rel_bias_NB=None) == Regime.PLAIN
+    assert regime_for(rel_bias_NB=torch.zeros(2, 9)) == Regime.RELATIVE_BIAS
+    plain, with_bias = (
+        tiles_for(arch="cuda", dtype=torch.bfloat16, head_dim=128, regime=r)
+        for r in (Regime.PLAIN, Regime.RELATIVE_BIAS)
+    )
     assert (plain.dq_m, plain.dq_warps, with_bias.dq_m, with_bias.dq_warps) == (64, 4, 128, 8)
     assert plain == dataclasses.replace(with_bias, dq_m=64, dq_warps=4)
+
+
+def test_tiles_round_trip_through_the_custom_op_form():
+    for tiles in _pinned_configs():
+        assert GdpaTiles.from_ints(tiles.as_ints()) == tiles
+
+
+def test_explicit_tiles_reach_the_launchers():
+    """``gdpa(..., tiles=)`` runs with the given tiles: the GPU's head-dim-64 tiles on the
+    interpreter match the reference; anything but a ``GdpaTiles`` is refused."""
+    case = _case(
+        [40, 0, 17], mode="self", heads=2, head_dim=64, dtype=torch.float32, device="cpu",
+        seed=3, bias=True,
+    )  # fmt: skip
+    q, k, v, q_off, _, rel_bias, _ = case
+    tiles = dataclasses.replace(
+        tiles_for(arch="cuda", dtype=torch.bfloat16, head_dim=64, regime=Regime.RELATIVE_BIAS),
+        sigmoid=SigmoidForm.EXACT,
+    )
+    q, k, v, rb = (t.float() for t in (q, k, v, rel_bias))
+    expected = gdpa(q, k, v, q_off, causal=True, rel_bias=rb, backend="reference")
+    got = gdpa(q, k, v, q_off, causal=True, rel_bias=rb, backend="triton", tiles=tiles)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="tiles must be a GdpaTiles"):
+        gdpa(q, k, v, q_off, tiles={"fwd_m": 16})
+
+
+def _pinned_configs():
+    return [
+        tiles_for(arch=arch, dtype=dtype, head_dim=hd, regime=regime)
+        for arch, dtype, hd, regime in PINNED_TILES
+    ]
+
+
+PIN_FIELDS = (
+    "fwd_m", "fwd_n", "fwd_warps", "fwd_stages", "dkdv_m", "dkdv_n", "dkdv_warps", "dkdv_stages",
+    "dq_m", "dq_n", "dq_warps", "dq_stages", "split_target", "max_split", "cross_min_part_tiles",
+    "cross_fwd_m", "cross_fwd_warps", "cross_fwd_stages", "cross_fwd_split_target",
+)  # fmt: skip
+EXACT, TANH = SigmoidForm.EXACT, SigmoidForm.TANH_APPROX
+# fmt: off
+PINNED_TILES = {
+    ("interpreter", torch.float16, 32, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float16, 32, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float16, 64, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float16, 64, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float16, 128, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float16, 128, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.bfloat16, 32, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.bfloat16, 32, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.bfloat16, 64, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.bfloat16, 64, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.bfloat16, 128, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.bfloat16, 128, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float32, 32, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float32, 32, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float32, 64, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float32, 64, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float32, 128, Regime.PLAIN):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("interpreter", torch.float32, 128, Regime.RELATIVE_BIAS):
+        (16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 64, 3, 2, None, None, None, None, EXACT),
+    ("cuda", torch.float16, 32, Regime.PLAIN):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float16, 32, Regime.RELATIVE_BIAS):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float16, 64, Regime.PLAIN):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float16, 64, Regime.RELATIVE_BIAS):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float16, 128, Regime.PLAIN):
+        (128, 64, 8, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 16, 4, 64, 4, 1, 4096, EXACT),
+    ("cuda", torch.float16, 128, Regime.RELATIVE_BIAS):
+        (128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 1024, 16, 4, 64, 4, 1, 4096, EXACT),
+    ("cuda", torch.bfloat16, 32, Regime.PLAIN):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, TANH),
+    ("cuda", torch.bfloat16, 32, Regime.RELATIVE_BIAS):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, TANH),
+    ("cuda", torch.bfloat16, 64, Regime.PLAIN):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, TANH),
+    ("cuda", torch.bfloat16, 64, Regime.RELATIVE_BIAS):
+        (128, 64, 4, 3, 64, 64, 4, 2, 128, 64, 4, 2, 1024, 16, 4, None, None, None, None, TANH),
+    ("cuda", torch.bfloat16, 128, Regime.PLAIN):
+        (128, 64, 8, 3, 64, 128, 8, 2, 64, 64, 4, 2, 1024, 16, 4, 64, 4, 1, 4096, TANH),
+    ("cuda", torch.bfloat16, 128, Regime.RELATIVE_BIAS):
+        (128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2, 1024, 16, 4, 64, 4, 1, 4096, TANH),
+    ("cuda", torch.float32, 32, Regime.PLAIN):
+        (64, 32, 4, 2, 32, 64, 4, 1, 64, 32, 4, 1, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float32, 32, Regime.RELATIVE_BIAS):
+        (64, 32, 4, 2, 32, 64, 4, 1, 64, 32, 4, 1, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float32, 64, Regime.PLAIN):
+        (64, 32, 4, 2, 32, 64, 4, 1, 64, 32, 4, 1, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float32, 64, Regime.RELATIVE_BIAS):
+        (64, 32, 4, 2, 32, 64, 4, 1, 64, 32, 4, 1, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float32, 128, Regime.PLAIN):
+        (64, 32, 4, 2, 32, 64, 4, 1, 64, 32, 4, 1, 1024, 16, 4, None, None, None, None, EXACT),
+    ("cuda", torch.float32, 128, Regime.RELATIVE_BIAS):
+        (64, 32, 4, 2, 32, 64, 4, 1, 64, 32, 4, 1, 1024, 16, 4, None, None, None, None, EXACT),
+}
+# fmt: on

@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from gem_jagged import jagged_flash_attention
+from gem_jagged import JaggedBatch, jagged_flash_attention
+from gem_jagged._worklist import tile_slot_bound
 from gem_jagged.ops.jagged_flash_attention import _op, hopper
 from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+from gem_jagged.ops.jagged_flash_attention.config import (
+    DqPlacement,
+    KernelImpl,
+    Regime,
+    config_for,
+    regime_for,
+)
 from gem_jagged.ops.jagged_flash_attention.reference import jagged_flash_attention_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
 from hypothesis import given
@@ -77,13 +85,36 @@ def _assert_results_within_reference_error(got, ref, truth, names):
         )
 
 
-def _check_against_fp64(lq, lk, *, causal, radius, seed, dtype, head_dim=32, heads=2):
+def _sm90_config(*, head_dim, dtype, lk, rel_bias, gluon=False, stages=None, **changes):
+    """The sm_90 config of a batch whose key lengths are ``lk``; ``gluon``: every kernel asks
+    for its Gluon twin (else the Triton kernels); ``stages``: every kernel's stages."""
+    config = config_for(
+        arch="sm90", dtype=dtype, head_dim=head_dim,
+        regime=regime_for(total_kv=sum(lk), num_seqs=len(lk)), rel_bias=rel_bias,
+    )  # fmt: skip
+    impl = KernelImpl.GLUON_HOPPER if gluon else KernelImpl.TRITON
+    if stages is not None:
+        for kernel in ("forward", "dkdv", "dq"):
+            changes[kernel] = dataclasses.replace(getattr(config, kernel), stages=stages)
+    return dataclasses.replace(
+        config, forward_impl=impl, dkdv_impl=impl, dq_impl=impl, **changes
+    )  # fmt: skip
+
+
+def _check_against_fp64(
+    lq, lk, *, causal, radius, seed, dtype, head_dim=32, heads=2, config=None, batch=None
+):  # fmt: skip
+    """The Triton kernels (with ``config``, over ``batch`` in place of the offsets, where
+    given) against fp64 by the tolerance rule."""
     tensors, q_off, kv_off = _case(
         lq, lk, heads=heads, head_dim=head_dim, radius=radius, seed=seed, dtype=torch.float64
     )
     truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
     ref_lowp, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
-    kernel, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    kernel_offsets = (q_off, kv_off) if batch is None else (batch, None)
+    kernel, _ = _run(
+        tensors, *kernel_offsets, causal=causal, backend="triton", dtype=dtype, config=config
+    )
     # A bias bucket sums dS over up to Lq·Lk pairs, terms that cancel (with R = 0 each row's
     # sum is exactly 0), so its rounding error scales with the terms, not with the small result
     # the default floor is measured against: the floor grows with √(pairs) there.
@@ -155,54 +186,49 @@ def test_relative_bias_off_the_band(lq, lk, causal, radius):
     ("lq", "lk", "causal"),
     [([300, 129, 1, 0, 450], None, True), ([200, 9, 0, 330], [130, 200, 3, 70], False)],
 )
-def test_gpu_tile_shapes_under_the_interpreter(monkeypatch, lq, lk, causal, table):
+def test_gpu_tile_shapes_under_the_interpreter(lq, lk, causal, table):
     """The bf16 GPU tiles on the CPU, with R = 40: bias tiles of step 64, far, band and
     right-of-band tiles and two skewed reads on the diagonal tile, as the GPU runs them. Head dims
     32/64: 128 × 64 queries × keys, 64 × 128 for dK/dV. Head dim 128: 64 × 64 for the forward
     (K/V through TMA) and dQ (one work list), 64 × 128 or, for short keys, 32 × 64 for dK/dV;
     with a bias, 128 × 64 for the forward and 64 × 64 for dQ (a work list each)."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
-    gpu_config = {
-        "plain": jfa_triton._GPU_CONFIGS[32],
-        "plain, head dim 128": jfa_triton._GPU_CONFIGS[128],
-        "short keys, head dim 128": jfa_triton._GPU_CONFIGS_SHORT_KEYS[128],
-        "bias, head dim 128": jfa_triton._GPU_CONFIGS_BIAS[128],
+    head_dim, regime, bias = {
+        "plain": (32, Regime.LONG, False),
+        "plain, head dim 128": (128, Regime.LONG, False),
+        "short keys, head dim 128": (128, Regime.SHORT_KEYS, False),
+        "bias, head dim 128": (128, Regime.LONG, True),
     }[table]
-    monkeypatch.setattr(jfa_triton, "config_for", lambda *args, **kwargs: gpu_config)
-    _check_against_fp64(lq, lk or lq, causal=causal, radius=40, seed=5, dtype=torch.float32)
+    gpu_config = config_for(
+        arch="sm90", dtype=torch.bfloat16, head_dim=head_dim, regime=regime, rel_bias=bias
+    )
+    _check_against_fp64(
+        lq, lk or lq, causal=causal, radius=40, seed=5, dtype=torch.float32, config=gpu_config
+    )
 
 
-def test_every_launcher_takes_the_bias_tiles_with_a_bias(monkeypatch):
-    """The forward, the backward (once for its kernels) and the compiled op's fake shape all ask
-    for the tiles of the bias path when there is a bias (their work lists must agree), and for
-    the plain ones without; all of them for the batch's keys per sequence (the short-keys
-    table)."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
+def test_the_fake_implementation_sizes_the_work_list_as_the_launchers_do():
+    """The compiled op's fake shape and the forward's work list agree, with the config passed
+    (the bias path's 128-row forward tiles and the plain path's 64-row ones at head dim 128)
+    and with the config the op picks itself."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    asked = []
-    config_for = jfa_triton.config_for
-
-    def spy(*args, rel_bias=False, keys_per_seq=None, **kwargs):
-        assert keys_per_seq == 8.0, keys_per_seq
-        asked.append(rel_bias)
-        return config_for(*args, rel_bias=rel_bias, keys_per_seq=keys_per_seq, **kwargs)
-
-    monkeypatch.setattr(jfa_triton, "config_for", spy)
     for radius in (3, None):
-        asked.clear()
         tensors, q_off, kv_off = _case(
             [5, 11], [5, 11], heads=2, head_dim=32, radius=radius, seed=4, dtype=torch.float32
         )
-        _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.float32)
-        with FakeTensorMode() as mode:  # the fake implementation a compiler traces
-            fake = {n: mode.from_tensor(t) for n, t in tensors.items()}
-            torch.ops.gem_jagged.jagged_flash_attention_fwd(
-                fake["q"], fake["k"], fake["v"], mode.from_tensor(q_off),
-                mode.from_tensor(kv_off), fake.get("rel_bias"), True, 0.1, None, "triton",
+        config = _sm90_config(head_dim=128, dtype=torch.bfloat16, lk=[5, 11], rel_bias=True)
+        for ints in (config.as_ints(), None):
+            args = (
+                tensors["q"], tensors["k"], tensors["v"], q_off, kv_off,
+                tensors.get("rel_bias"), True, 0.1, None, "triton", ints,
             )  # fmt: skip
-        assert len(asked) == 3 and set(asked) == {radius is not None}, asked
+            _, _, work = torch.ops.gem_jagged.jagged_flash_attention_fwd(*args)
+            with FakeTensorMode() as mode:  # the fake implementation a compiler traces
+                fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+                _, _, fake_work = torch.ops.gem_jagged.jagged_flash_attention_fwd(*fake)
+            assert tuple(fake_work.shape) == tuple(work.shape), (radius, ints)
+            rows = config.forward.block_m if ints is not None else 16
+            assert work.shape[1] == tile_slot_bound(16, 2, rows)
 
 
 def test_long_sequence_split_backward_and_int32_offsets_and_short_hint():
@@ -330,12 +356,10 @@ def test_eager_fast_path_matches_the_custom_op_and_dispatch_modes_see_the_op():
     assert "gem_jagged.jagged_flash_attention_fwd.default" in mode.names
 
 
-def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
+def test_dkdv_split_only_where_the_longest_tile_is_the_tail():
     """The split rule on the benchmark's shapes (132 SMs), each with the tile table its keys per
     sequence pick: J1 and J2 stay whole, J3 (64 keys per sequence, one key tile each, a
     3635-row longest query range) is cut into 3 chunks."""
-    monkeypatch.setattr(jfa_triton, "_sm_count", lambda device: 132)
-    cuda = torch.device("cuda")
     shapes = {  # (Tq, Tk, B, longest, causal)
         "J1": (52498, 52498, 64, 3635, True),
         "J2": (43129, 43129, 16, 5064, True),
@@ -344,14 +368,20 @@ def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
     }
     splits = {
         name: jfa_triton.dkdv_splits(
-            jfa_triton.config_for(128, cuda, torch.bfloat16, keys_per_seq=tk / b),
+            config_for(
+                arch="sm90",
+                dtype=torch.bfloat16,
+                head_dim=128,
+                regime=regime_for(total_kv=tk, num_seqs=b),
+                rel_bias=False,
+            ),
             total_q=tq,
             total_kv=tk,
             num_seqs=b,
             num_heads=4,
             longest_q=longest,
             causal=causal,
-            device=cuda,
+            sm_count=132,
         )  # fmt: skip
         for name, (tq, tk, b, longest, causal) in shapes.items()
     }
@@ -359,29 +389,24 @@ def test_dkdv_split_only_where_the_longest_tile_is_the_tail(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("hint", "checked", "expected"), [(None, (0, 37), 37), (20, (0, 37), 20), (None, None, 59)]
+    ("validate", "hint", "expected"),
+    [(True, None, 37), (True, 20, 37), (False, 20, 20), (False, None, 59)],
 )
-def test_dkdv_split_sees_the_longest_sequence_without_a_hint(monkeypatch, hint, checked, expected):
-    """Without ``max_q_len`` the backward sizes its split from the longest sequence the offsets'
-    host check saw (on J1 without the hint it had assumed one sequence of all 52k tokens and
-    split every long key tile); unchecked offsets fall back to the token count."""
-    from gem_jagged.ops.jagged_flash_attention import triton as jfa_triton
-
-    seen = []
-    real_splits = jfa_triton.dkdv_splits
-    monkeypatch.setattr(jfa_triton, "checked_length_range", lambda offsets: checked)
-    monkeypatch.setattr(
-        jfa_triton,
-        "dkdv_splits",
-        lambda cfg, **kw: seen.append(kw["longest_q"]) or real_splits(cfg, **kw),
-    )
+def test_dkdv_split_sees_the_longest_sequence_without_a_hint(validate, hint, expected):
+    """The backward sizes its split from the longest sequence the batch's host check saw (on
+    J1 without it, it had assumed one sequence of all 52k tokens and split every long key
+    tile); an unchecked batch takes the hint, else the token count."""
     t, q_off, _ = _case(
         [37, 0, 22], [37, 0, 22], heads=1, head_dim=32, radius=None, seed=3, dtype=torch.float32
     )
+    batch = JaggedBatch(q_off, max_len=hint, validate=validate)
+    assert jfa_triton.longest_query_rows(batch, total_q=59) == expected
     leaves = [t[name].requires_grad_() for name in ("q", "k", "v")]
-    out = jagged_flash_attention(*leaves, q_off, causal=True, max_q_len=hint, backend="triton")
-    out.sum().backward()
-    assert seen == [expected]
+    out = jagged_flash_attention(*leaves, batch, causal=True, backend="triton")
+    grads = torch.autograd.grad(out, leaves, t["do"])
+    expected_results, _ = _run(t, q_off, q_off, causal=True, backend="triton", dtype=torch.float32)
+    for got, want in zip([out, *grads], expected_results, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 class _LaunchCounter:
@@ -397,20 +422,23 @@ class _LaunchCounter:
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
-    ("lk", "fit_known", "dq_launches"),
+    ("lk", "checked", "dq_launches"),
     [
         ([16, 3, 9, 5], True, 0),  # every sequence fits one key tile, as the host check showed
         ([16, 3, 9, 5], False, 1),  # the same, unknown: the dQ kernel runs and skips them all
         ([16, 0, 40, 5], False, 1),  # no keys, or more than a tile: the dQ kernel's sequences
     ],
 )
-def test_short_keys_dkdv_kernel_writes_dq(monkeypatch, causal, lk, fit_known, dq_launches):
+def test_short_keys_dkdv_kernel_writes_dq(monkeypatch, causal, lk, checked, dq_launches):
     """Short keys without a bias (J3): the dK/dV kernel sums δ itself and writes dQ of every
     sequence whose keys fit its one key tile (16 rows here), over query ranges split across
     programs whose last arrival casts dK/dV; causal rows above the diagonal get zero dQ. The
     dQ kernel handles the other sequences and is not launched when every sequence is known to
-    fit."""
-    assert jfa_triton.config_for(32, torch.device("cpu"), torch.float32).dq_in_dkdv
+    fit (a checked batch)."""
+    interpreter = config_for(
+        arch="interpreter", dtype=torch.float32, head_dim=32, regime=Regime.LONG, rel_bias=False
+    )
+    assert interpreter.dq_placement == DqPlacement.IN_DKDV
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):  # a row nobody writes reads NaN, not a lucky zero
@@ -418,11 +446,14 @@ def test_short_keys_dkdv_kernel_writes_dq(monkeypatch, causal, lk, fit_known, dq
         return t.fill_(math.nan) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-    counter = _LaunchCounter(jfa_triton._jfa_dq_kernel)
-    monkeypatch.setattr(jfa_triton, "_jfa_dq_kernel", counter)
-    monkeypatch.setattr(jfa_triton, "keys_fit_one_tile", lambda offsets, block_n: fit_known)
+    from gem_jagged.ops.jagged_flash_attention.triton import dq as jfa_dq
+
+    counter = _LaunchCounter(jfa_dq._jfa_dq_kernel)  # a spy: counts, launches the kernel
+    monkeypatch.setattr(jfa_dq, "_jfa_dq_kernel", counter)
+    lq = [70, 1, 45, 33]
+    batch = JaggedBatch(offsets_from_lengths(lq), offsets_from_lengths(lk), validate=checked)
     _check_against_fp64(
-        [70, 1, 45, 33], lk, causal=causal, radius=None, seed=13, dtype=torch.float32
+        lq, lk, causal=causal, radius=None, seed=13, dtype=torch.float32, batch=batch
     )
     assert counter.launches == dq_launches
 
@@ -738,12 +769,13 @@ def _isolation_case(lengths, *, head_dim, dtype, device, pad):
     return tensors, poisoned, q_off, middle
 
 
-def _assert_other_sequences_untouched(lengths, *, head_dim, dtype, device, pad):
+def _assert_other_sequences_untouched(lengths, *, head_dim, dtype, device, pad, config=None):
     tensors, poisoned, q_off, middle = _isolation_case(
         lengths, head_dim=head_dim, dtype=dtype, device=device, pad=pad
     )
-    clean, _ = _run(tensors, q_off, q_off, causal=True, backend="triton", dtype=dtype)
-    dirty, _ = _run(poisoned, q_off, q_off, causal=True, backend="triton", dtype=dtype)
+    options = dict(causal=True, backend="triton", dtype=dtype, config=config)
+    clean, _ = _run(tensors, q_off, q_off, **options)
+    dirty, _ = _run(poisoned, q_off, q_off, **options)
     others = torch.ones(sum(lengths), dtype=torch.bool)
     others[middle] = False
     for name, want, got in zip(("out", "dq", "dk", "dv"), clean, dirty, strict=True):
@@ -764,7 +796,7 @@ def test_a_non_finite_sequence_never_reaches_its_neighbours(pad):
 
 # ----------------------------------------------------------------------------------------------
 # GPU: the Gluon kernels (``hopper/``). Gluon has no CPU interpreter: these need an
-# sm_90 GPU. Each runs the public op with the tile table asking for the Gluon kernels, checks (by
+# sm_90 GPU. Each runs the public op with a config asking for the Gluon kernels, checks (by
 # a spy) that they ran, and holds the results to the tolerance rule against fp64.
 # ----------------------------------------------------------------------------------------------
 
@@ -774,18 +806,9 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
-def _use_hopper(monkeypatch, *, enabled: bool, **fields) -> list:
-    """Point every bf16/fp16 table at (or away from) the Gluon kernels; returns their launches
-    as ``(kernel, launch options)``."""
-    for table in (
-        jfa_triton._GPU_CONFIGS, jfa_triton._GPU_CONFIGS_SHORT_KEYS,
-        jfa_triton._GPU_CONFIGS_BIAS, jfa_triton._GPU_CONFIGS_BIAS_SHORT_KEYS,
-    ):  # fmt: skip
-        for hd, cfg in list(table.items()):
-            hopper_cfg = dataclasses.replace(
-                cfg, fwd_hopper=enabled, dkdv_hopper=enabled, dq_hopper=enabled, **fields
-            )
-            monkeypatch.setitem(table, hd, hopper_cfg)
+def _spy_on_hopper(monkeypatch) -> list:
+    """Record the Gluon kernels' launches as ``(kernel, launch options)`` (a spy: the launches
+    still run; the config passed picks the path)."""
     launches = []
     for kernel in ("forward", "dkdv", "dq"):
         launch = getattr(hopper, f"launch_{kernel}")
@@ -863,10 +886,17 @@ def test_hopper_kernels_match_fp64_within_reference_error(
     )  # fmt: skip
     truth = _fp64_truth(tensors, q_off, kv_off, causal=causal)
     ref, names = _run(tensors, q_off, kv_off, causal=causal, backend="reference", dtype=dtype)
-    assert not _use_hopper(monkeypatch, enabled=False)
-    triton_results, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
-    launches = _use_hopper(monkeypatch, enabled=True)
-    got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype)
+    launches = _spy_on_hopper(monkeypatch)
+    options = dict(head_dim=head_dim, dtype=dtype, lk=lk, rel_bias=False)
+    triton_results, _ = _run(
+        tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype,
+        config=_sm90_config(**options),
+    )  # fmt: skip
+    assert not launches
+    got, _ = _run(
+        tensors, q_off, kv_off, causal=causal, backend="triton", dtype=dtype,
+        config=_sm90_config(**options, gluon=True),
+    )  # fmt: skip
     assert _all_ran(launches), launches
     _assert_results_within_reference_error(got, ref, truth, names)
     # Same inputs, same math, another schedule: within a few bf16/fp16 steps of Triton's.
@@ -889,10 +919,12 @@ def test_hopper_kernels_take_any_scale(monkeypatch, scale):
         tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16,
         scale=scale,
     )  # fmt: skip
-    launches = _use_hopper(monkeypatch, enabled=True)
+    launches = _spy_on_hopper(monkeypatch)
+    config = _sm90_config(head_dim=128, dtype=torch.bfloat16, lk=lq, rel_bias=False, gluon=True)
     got, _ = _run(
-        tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16, scale=scale
-    )
+        tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16, scale=scale,
+        config=config,
+    )  # fmt: skip
     assert _all_ran(launches), launches
     _assert_results_within_reference_error(got, ref, truth, names)
 
@@ -939,8 +971,14 @@ def test_hopper_kernels_follow_row_maxima_that_rise_block_by_block(monkeypatch, 
     ref, names = _run(
         tensors, q_off, kv_off, causal=causal, backend="reference", dtype=torch.bfloat16
     )
-    launches = _use_hopper(monkeypatch, enabled=True)
-    got, _ = _run(tensors, q_off, kv_off, causal=causal, backend="triton", dtype=torch.bfloat16)
+    launches = _spy_on_hopper(monkeypatch)
+    config = _sm90_config(
+        head_dim=head_dim, dtype=torch.bfloat16, lk=[1500, 65, 700, 1], rel_bias=False, gluon=True
+    )
+    got, _ = _run(
+        tensors, q_off, kv_off, causal=causal, backend="triton", dtype=torch.bfloat16,
+        config=config,
+    )  # fmt: skip
     assert _all_ran(launches), launches
     _assert_results_within_reference_error(got, ref, truth, names)
 
@@ -954,26 +992,36 @@ def test_hopper_kernels_split_key_tiles_and_ring_depths(monkeypatch, stages):
     tensors, q_off, kv_off = _case(
         lq, lq, heads=2, head_dim=128, radius=None, seed=5, dtype=torch.float64, device="cuda"
     )
-    monkeypatch.setattr(jfa_triton, "dkdv_splits", lambda cfg, **kw: 3)
-    launches = _use_hopper(
-        monkeypatch, enabled=True, fwd_stages=stages, dkdv_stages=stages, dq_stages=stages
-    )
+    # The longest key tile streams 4000 query rows, over 10 times an SM's share: split into
+    # max_splits chunks.
+    launches = _spy_on_hopper(monkeypatch)
+    config = _sm90_config(
+        head_dim=128, dtype=torch.bfloat16, lk=lq, rel_bias=False, gluon=True, stages=stages,
+        max_splits=3,
+    )  # fmt: skip
     truth = _fp64_truth(tensors, q_off, kv_off, causal=True)
     ref, names = _run(
         tensors, q_off, kv_off, causal=True, backend="reference", dtype=torch.bfloat16
     )
-    got, _ = _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
-    assert _all_ran(launches) and all(kw["num_stages"] == stages for _, kw in launches)
+    got, _ = _run(
+        tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16, config=config
+    )
+    tiles = {"forward": "forward", "dkdv": "dkdv", "dq": "dq"}
+    assert _all_ran(launches)
+    assert all(getattr(kw["config"], tiles[k]).stages == stages for k, kw in launches)
     _assert_results_within_reference_error(got, ref, truth, names)
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_hopper_kernels_keep_a_non_finite_sequence_to_itself(monkeypatch):
-    launches = _use_hopper(monkeypatch, enabled=True)
+    launches = _spy_on_hopper(monkeypatch)
     _assert_other_sequences_untouched(
-        [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=0
-    )
+        [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=0,
+        config=_sm90_config(
+            head_dim=128, dtype=torch.bfloat16, lk=[37, 300, 20], rel_bias=False, gluon=True
+        ),
+    )  # fmt: skip
     assert _all_ran(launches)
 
 
@@ -983,17 +1031,24 @@ def test_hopper_kernels_read_views_of_a_fused_qkv_projection_in_place(monkeypatc
     """q, k, v as views of one ``[T, 3, N, H]`` projection (rows 3·N·H apart) reach the Gluon
     kernels' copies and TMA descriptors as they lie: outputs and gradients equal, bit for bit,
     those of contiguous inputs."""
-    launches = _use_hopper(monkeypatch, enabled=True)
+    launches = _spy_on_hopper(monkeypatch)
     lengths = [300, 0, 65, 1000, 1]
+    config = _sm90_config(
+        head_dim=128, dtype=torch.bfloat16, lk=lengths, rel_bias=False, gluon=True
+    )
     tensors, q_off, _ = _case(
         lengths, lengths, heads=2, head_dim=128, radius=None, seed=9, dtype=torch.bfloat16,
         device="cuda",
     )  # fmt: skip
     qkv = torch.stack([tensors["q"], tensors["k"], tensors["v"]], dim=1).requires_grad_()
-    out = jagged_flash_attention(*qkv.unbind(1), q_off, causal=True, backend="triton")
+    out = jagged_flash_attention(
+        *qkv.unbind(1), q_off, causal=True, backend="triton", config=config
+    )
     (grad,) = torch.autograd.grad(out, [qkv], tensors["do"])
     assert _all_ran(launches)
-    expected, _ = _run(tensors, q_off, q_off, causal=True, backend="triton", dtype=torch.bfloat16)
+    expected, _ = _run(
+        tensors, q_off, q_off, causal=True, backend="triton", dtype=torch.bfloat16, config=config
+    )
     assert torch.equal(out, expected[0])
     assert torch.equal(grad, torch.stack(expected[1:4], dim=1))
 
@@ -1003,21 +1058,27 @@ def test_hopper_kernels_read_views_of_a_fused_qkv_projection_in_place(monkeypatc
 def test_hopper_kernels_unused_for_rows_they_cannot_copy(monkeypatch):
     """Rows 16-byte vectors cannot tile (a row stride one element past the heads: ``pad``
     1) take the Triton kernels, with the same isolation of a non-finite sequence."""
-    launches = _use_hopper(monkeypatch, enabled=True)
+    launches = _spy_on_hopper(monkeypatch)
     _assert_other_sequences_untouched(
-        [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=1
-    )
+        [37, 300, 20], head_dim=128, dtype=torch.bfloat16, device="cuda", pad=1,
+        config=_sm90_config(
+            head_dim=128, dtype=torch.bfloat16, lk=[37, 300, 20], rel_bias=False, gluon=True
+        ),
+    )  # fmt: skip
     assert not launches
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_hopper_kernels_unused_with_a_relative_bias(monkeypatch):
-    """The bias path keeps the Triton kernels even where its table asks for the Gluon ones."""
-    launches = _use_hopper(monkeypatch, enabled=True)
+    """The bias path keeps the Triton kernels even where its config asks for the Gluon ones."""
+    launches = _spy_on_hopper(monkeypatch)
+    config = _sm90_config(
+        head_dim=128, dtype=torch.bfloat16, lk=[100, 3], rel_bias=True, gluon=True
+    )
     tensors, q_off, kv_off = _case(
         [100, 3], [100, 3], heads=2, head_dim=128, radius=4, seed=1, dtype=torch.bfloat16,
         device="cuda",
     )  # fmt: skip
-    _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16)
+    _run(tensors, q_off, kv_off, causal=True, backend="triton", dtype=torch.bfloat16, config=config)
     assert not launches

@@ -94,11 +94,8 @@ def test_fresh_batches_compile_nothing(case):
 def test_the_split_dkdv_path_reuses_the_unsplit_kernel():
     """A batch whose longest sequence is long enough to split the dK/dV work (one 6k-token user
     among short ones) runs the same compiled dK/dV kernel as the batches before it."""
-    from gem_jagged.ops.jagged_flash_attention.triton import (
-        _jfa_dkdv_kernel,
-        config_for,
-        dkdv_splits,
-    )
+    from gem_jagged.ops.jagged_flash_attention.config import config_for_inputs
+    from gem_jagged.ops.jagged_flash_attention.triton import _jfa_dkdv_kernel, dkdv_splits
 
     def dkdv_variants():
         return sum(len(cache[0]) for cache in _jfa_dkdv_kernel.device_caches.values())
@@ -107,10 +104,12 @@ def test_the_split_dkdv_path_reuses_the_unsplit_kernel():
     _run("jfa self, causal, bias", [96] * 64, gen)
     before = dkdv_variants()
     giant = [6144] + [32] * 63
-    cfg = config_for(HEAD_DIM, torch.device("cuda"), torch.bfloat16, keys_per_seq=sum(giant) / 64)
+    q = torch.empty(sum(giant), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    cfg = config_for_inputs(q, q, torch.empty(65, device="cuda"), rel_bias=False)
+    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = dkdv_splits(
         cfg, total_q=sum(giant), total_kv=sum(giant), num_seqs=64, num_heads=HEADS,
-        longest_q=6144, causal=True, device=torch.device("cuda"),
+        longest_q=6144, causal=True, sm_count=sm_count,
     )  # fmt: skip
     assert splits > 1, "the giant batch was meant to split the dK/dV work"
     _run("jfa self, causal, bias", giant, gen)

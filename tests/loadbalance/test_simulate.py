@@ -6,7 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gem_loadbalance.simulate import NO_MATPLOTLIB, SimulationConfig, format_table, main, simulate
+from gem_loadbalance.simulate import (
+    AGREED,
+    NO_MATPLOTLIB,
+    SimulationConfig,
+    format_table,
+    main,
+    simulate,
+)
 
 
 def test_shuffler_captures_most_of_the_possible_improvement():
@@ -18,9 +25,11 @@ def test_shuffler_captures_most_of_the_possible_improvement():
     none = result.ratios["no shuffling"].mean()
     assert none > 1.3  # the imbalance being fixed is real
     assert result.optimum.mean() < 1.001
-    assert result.captured("shuffler, calibrated expected_cost") >= 0.9
+    assert result.captured("shuffler, calibrated expected_cost") >= 0.95
+    # The default: the mean agreed once over every rank's first look-ahead.
+    assert result.captured(AGREED) >= 0.96
     # With nothing shared and a cold estimate the ranks' targets still disagree early on.
-    assert result.captured("shuffler, running estimate (cold)") >= 0.7
+    assert result.captured("shuffler, running estimate (cold)") >= 0.75
     for name, delays in result.delay_counts.items():
         assert max(delays) <= cfg.max_delay and min(delays) >= -cfg.lookahead, name
         assert sum(delays.values()) == cfg.ranks * cfg.steps * cfg.local_batch

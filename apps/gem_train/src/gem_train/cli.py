@@ -112,14 +112,21 @@ def main(argv: list[str] | None = None) -> int:
 
         local_mfu(cfg)
         return 0
+    from gem_train.finite import NonFiniteError
     from gem_train.train import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except (ConfigError, NonFiniteError) as exc:  # a refusal, not a bug: no traceback
+        print(f"gem-train: error: {exc}", file=sys.stderr)
+        return 1
     if summary["rank"] == 0:
+        skipped = summary["skipped_nonfinite_steps"]
         print(
             f"done: {summary['steps_this_run']} steps, {summary['samples']} samples, "
             f"NE {summary['final_ne']:.4f}, AUC {summary['final_auc']:.4f}, "
             f"{summary['qps']:.0f} QPS, {summary['wall_s']:.1f} s"
+            + (f"; {skipped} steps skipped for a non-finite loss or gradient" if skipped else "")
         )
     return 0
 

@@ -4,117 +4,112 @@ Every field of every section is a command-line flag named ``--<section>.<field>`
 256``, ``--optim.lr=3e-3``); a few common ones also have a short form (``--steps``, ``--seed``,
 ``--device``, ``--summary-json``). A run starts from a named config (``tiny``, the CPU default;
 ``gem-small``, one H200; ``gem-large``, plan only), then flags override single fields. Values are
-converted by the field's type and every section checks itself in ``validate``; a bad value raises
-``ConfigError`` whose message names the field (``model.d_model``) and says what was expected.
+converted by the field's type and every section checks itself in ``validate``, on construction
+(``__post_init__``) and again when flags are applied; a bad value raises ``ConfigError`` whose
+message names the field (``model.d_model``) and says what was expected.
+
+Every numeric field declares its range where it is defined (``opt(..., at_least=1)``) and one
+generic check enforces it: the value has the field's type (an ``int`` field holds an integer, a
+``float`` field a number), a float is finite (NaN and infinities are refused everywhere: none of
+these fields has a meaning for them), and the value lies in the declared range. Checks that relate
+several fields (``model.d_model`` divisible by ``model.n_heads``) and choices stay in ``validate``.
 """
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from gem_loadbalance.workloads import WORKLOADS
 
+from gem_train.config_fields import ConfigError, check_numbers, opt, require, require_choice
 
-class ConfigError(ValueError):
-    """A configuration value is malformed or inconsistent; the message names the field."""
-
-
-def opt(default, help: str):
-    """A dataclass field with a help text (shown by ``gem-train --help``)."""
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def _require(ok: bool, name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {expected}, got {value!r}")
-
-
-def _choice(name: str, value: Any, choices: tuple) -> None:
-    _require(value in choices, name, f"one of {choices}", value)
+FLEX_BACKENDS = ("auto", "compiled", "eager", "dense")  # see gem_train.model.flex
 
 
 @dataclass
 class ModelConfig:
-    d_model: int = opt(64, "width of the sequence tower")
-    n_layers: int = opt(2, "number of history self-attention blocks")
-    n_heads: int = opt(2, "attention heads (head dim = d_model / n_heads)")
+    d_model: int = opt(64, "width of the sequence tower", at_least=1)
+    n_layers: int = opt(2, "number of history self-attention blocks", at_least=0)
+    n_heads: int = opt(2, "attention heads (head dim = d_model / n_heads)", at_least=1)
     attention: str = opt(
         "jagged",
         "history self-attention: jagged (gem_jagged, relative bias), block (gem_jagged "
-        "BlockAttention with RoPE, for long histories) or padded (PyTorch SDPA on a padded batch)",
+        "BlockAttention with RoPE, for long histories), flex (PyTorch FlexAttention on the packed "
+        "batch, document + causal mask, the bias as a score_mod) or padded (PyTorch SDPA on a "
+        "padded batch)",
     )
     pooling_attention: str = opt(
-        "jagged", "PMA and candidate cross-attention: jagged (gem_jagged.gdpa) or padded (PyTorch)"
+        "jagged",
+        "PMA and candidate cross-attention: jagged (gem_jagged.gdpa), flex (PyTorch FlexAttention, "
+        "document mask; softmax in place of GDPA's SiLU) or padded (PyTorch GDPA)",
     )
-    block_size: int = opt(64, "BlockAttention block length in tokens")
-    rope_theta: float = opt(10000.0, "BlockAttention RoPE base")
-    rel_bias_radius: int = opt(32, "relative-position bias buckets on each side (R)")
+    flex_backend: str = opt(
+        "auto",
+        "how the flex attentions run: compiled (torch.compile'd flex_attention), eager (no "
+        "backward on the CPU), dense (the same masks on the full score matrix, plain PyTorch) or "
+        "auto (compiled on CUDA, dense elsewhere)",
+    )
+    block_size: int = opt(64, "BlockAttention block length in tokens", at_least=1)
+    rope_theta: float = opt(10000.0, "BlockAttention RoPE base", above=0)
+    rel_bias_radius: int = opt(32, "relative-position bias buckets on each side (R)", at_least=0)
     ffn: str = opt("swiglu", "feed-forward of each block: swiglu or moe")
-    ffn_hidden: int = opt(128, "SwiGLU hidden width (per expert for moe)")
+    ffn_hidden: int = opt(128, "SwiGLU hidden width (per expert for moe)", at_least=1)
     fused_swiglu: bool = opt(
         True, "the SwiGLU gate in one Triton pass each way on CUDA (false: PyTorch's silu and ⊙)"
     )
-    n_experts: int = opt(4, "experts per MoE layer")
-    top_k: int = opt(2, "experts each token is routed to")
+    n_experts: int = opt(4, "experts per MoE layer", at_least=1)
+    top_k: int = opt(2, "experts each token is routed to", at_least=1)
     moe_capacity_factor: float = opt(
-        0.0, "MoE slots per expert as a multiple of an even share (0: never drop a token)"
+        0.0,
+        "MoE slots per expert as a multiple of an even share (0: never drop a token)",
+        at_least=0,
     )
-    pma_seeds: int = opt(2, "PMA pooling seeds (pooled vectors per sample)")
-    interaction_layers: int = opt(2, "DCN-v2 cross layers over the concatenated features")
-    mlp_hidden: int = opt(128, "hidden width of the top MLP")
-    emb_dim: int = opt(16, "embedding dimension of every sparse feature")
-    item_vocab: int = opt(500, "items (history tokens and candidate ads share this table)")
-    category_vocab: int = opt(32, "item categories")
-    action_vocab: int = opt(4, "action types of history events")
-    time_buckets: int = opt(16, "log2 buckets of event age")
-    user_vocab: int = opt(200, "user ids")
-    segment_vocab: int = opt(64, "user segments (a multi-hot pooled feature)")
-    advertiser_vocab: int = opt(100, "advertisers")
+    pma_seeds: int = opt(2, "PMA pooling seeds (pooled vectors per sample)", at_least=1)
+    interaction_layers: int = opt(
+        2, "DCN-v2 cross layers over the concatenated features", at_least=0
+    )
+    mlp_hidden: int = opt(128, "hidden width of the top MLP", at_least=1)
+    emb_dim: int = opt(16, "embedding dimension of every sparse feature", at_least=1)
+    item_vocab: int = opt(
+        500, "items (history tokens and candidate ads share this table)", at_least=1
+    )
+    category_vocab: int = opt(32, "item categories", at_least=1)
+    action_vocab: int = opt(4, "action types of history events", at_least=1)
+    time_buckets: int = opt(16, "log2 buckets of event age", at_least=1)
+    user_vocab: int = opt(200, "user ids", at_least=1)
+    segment_vocab: int = opt(64, "user segments (a multi-hot pooled feature)", at_least=1)
+    advertiser_vocab: int = opt(100, "advertisers", at_least=1)
     embeddings: str = opt(
         "auto", "embedding modules: auto (torchrec when importable), torchrec or native"
     )
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        for name in (
-            "d_model n_heads block_size ffn_hidden n_experts top_k pma_seeds mlp_hidden "
-            "emb_dim item_vocab category_vocab action_vocab time_buckets user_vocab segment_vocab "
-            "advertiser_vocab"
-        ).split():
-            value = getattr(self, name)
-            _require(value >= 1, f"model.{name}", "a positive integer", value)
-        _require(self.n_layers >= 0, "model.n_layers", "≥ 0", self.n_layers)
-        _require(
-            self.interaction_layers >= 0, "model.interaction_layers", "≥ 0", self.interaction_layers
-        )
-        _require(self.rel_bias_radius >= 0, "model.rel_bias_radius", "≥ 0", self.rel_bias_radius)
-        _require(
-            self.moe_capacity_factor >= 0,
-            "model.moe_capacity_factor",
-            "≥ 0",
-            self.moe_capacity_factor,
-        )
-        _require(self.rope_theta > 0, "model.rope_theta", "positive", self.rope_theta)
-        _require(
+        """Raises ``ConfigError`` naming the first bad field (ranges, choices, head dim)."""
+        check_numbers("model", self)
+        require(
             self.d_model % self.n_heads == 0,
             "model.d_model",
             f"divisible by model.n_heads={self.n_heads}",
             self.d_model,
         )
-        _choice("model.attention", self.attention, ("jagged", "block", "padded"))
+        require_choice("model.attention", self.attention, ("jagged", "block", "flex", "padded"))
         if "jagged" in (self.attention, self.pooling_attention) or self.attention == "block":
-            _require(
+            require(
                 self.head_dim in (32, 64, 128),
                 "model.d_model / model.n_heads",
                 "a head dim of 32, 64 or 128 for the gem_jagged kernels",
                 f"{self.d_model} / {self.n_heads} = {self.d_model / self.n_heads:g}",
             )
-        _choice("model.pooling_attention", self.pooling_attention, ("jagged", "padded"))
-        _choice("model.ffn", self.ffn, ("swiglu", "moe"))
-        _choice("model.embeddings", self.embeddings, ("auto", "torchrec", "native"))
-        _require(
+        require_choice(
+            "model.pooling_attention", self.pooling_attention, ("jagged", "flex", "padded")
+        )
+        require_choice("model.flex_backend", self.flex_backend, FLEX_BACKENDS)
+        require_choice("model.ffn", self.ffn, ("swiglu", "moe"))
+        require_choice("model.embeddings", self.embeddings, ("auto", "torchrec", "native"))
+        require(
             self.top_k <= self.n_experts,
             "model.top_k",
             f"≤ model.n_experts={self.n_experts}",
@@ -126,6 +121,9 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
+# Seeds reach torch.manual_seed and numpy's generators: non-negative and within int64.
+MAX_SEED = 2**63 - 1
+
 # The default history lengths are workload J1's (docs/workloads).
 _J1 = WORKLOADS["J1"].lengths
 
@@ -134,42 +132,58 @@ _J1 = WORKLOADS["J1"].lengths
 class DataConfig:
     source: str = opt("synthetic", "synthetic (planted teacher) or parquet")
     path: str = opt("", "Parquet file or folder (source=parquet)")
-    batch_size: int = opt(64, "samples per step on each rank")
-    sub_batch_size: int = opt(16, "samples per sub-batch, the unit the shuffler moves")
-    median_len: int = opt(_J1.median, f"median history length (workload J1: {_J1.median})")
-    sigma: float = opt(_J1.sigma, f"log-normal sigma of history lengths (J1: {_J1.sigma})")
-    min_len: int = opt(_J1.lo, f"shortest history (J1: {_J1.lo})")
-    max_len: int = opt(_J1.hi, f"longest history (J1: {_J1.hi}); never truncated below this")
-    teacher_strength: float = opt(5.0, "scale of the planted teacher's logits (signal strength)")
-    seed: int = opt(0, "seed of the data stream (the teacher has its own fixed seed)")
+    batch_size: int = opt(64, "samples per step on each rank", at_least=1)
+    sub_batch_size: int = opt(16, "samples per sub-batch, the unit the shuffler moves", at_least=1)
+    median_len: int = opt(
+        _J1.median, f"median history length (workload J1: {_J1.median})", at_least=1
+    )
+    sigma: float = opt(
+        _J1.sigma,
+        f"log-normal sigma of history lengths (J1: {_J1.sigma}; 0: every history median_len)",
+        at_least=0,
+    )
+    min_len: int = opt(
+        _J1.lo, f"shortest history (J1: {_J1.lo}; 0: empty histories are legal)", at_least=0
+    )
+    max_len: int = opt(
+        _J1.hi, f"longest history (J1: {_J1.hi}); never truncated below this", at_least=1
+    )
+    teacher_strength: float = opt(
+        5.0,
+        "scale of the planted teacher's logits (signal strength; 0: labels are noise)",
+        at_least=0,
+    )
+    seed: int = opt(
+        0,
+        "seed of the data stream (the teacher has its own fixed seed)",
+        at_least=0,
+        at_most=MAX_SEED,
+    )
     shuffle: bool = opt(True, "balance batches with gem_loadbalance's Base Batch Shuffling")
-    eval_batches: int = opt(16, "held-out batches for the final NE / AUC")
-    prefetch: int = opt(2, "batches assembled ahead by a background thread (0: none)")
+    eval_batches: int = opt(16, "held-out batches for the final NE / AUC", at_least=0)
+    prefetch: int = opt(2, "batches assembled ahead by a background thread (0: none)", at_least=0)
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        _choice("data.source", self.source, ("synthetic", "parquet"))
+        """Raises ``ConfigError`` naming the first bad field (ranges, choices, length order)."""
+        check_numbers("data", self)
+        require_choice("data.source", self.source, ("synthetic", "parquet"))
         if self.source == "parquet":
-            _require(
+            require(
                 bool(self.path),
                 "data.path",
                 "a Parquet file or folder when data.source=parquet",
                 self.path,
             )
-        _require(self.min_len >= 0, "data.min_len", "≥ 0 (empty histories are legal)", self.min_len)
-        for name in ("batch_size", "sub_batch_size", "median_len", "max_len"):
-            _require(
-                getattr(self, name) >= 1, f"data.{name}", "a positive integer", getattr(self, name)
-            )
-        _require(self.eval_batches >= 0, "data.eval_batches", "≥ 0", self.eval_batches)
-        _require(self.prefetch >= 0, "data.prefetch", "≥ 0", self.prefetch)
-        _require(self.sigma >= 0, "data.sigma", "≥ 0", self.sigma)
-        _require(
+        require(
             self.min_len <= self.max_len,
             "data.min_len",
             f"≤ data.max_len={self.max_len}",
             self.min_len,
         )
-        _require(
+        require(
             self.batch_size % self.sub_batch_size == 0,
             "data.batch_size",
             f"a multiple of data.sub_batch_size={self.sub_batch_size}",
@@ -182,35 +196,40 @@ EMBEDDING_OPTIMIZERS = ("adamw", "rowwise_adagrad")
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(3e-3, "peak learning rate of AdamW for the dense parameters")
+    lr: float = opt(3e-3, "peak learning rate of AdamW for the dense parameters", above=0)
     embedding_optimizer: str = opt(
         "adamw",
         "adamw: the tables join the dense AdamW (dense table gradients) | rowwise_adagrad: row-wise "
         "Adagrad fused into the lookup's backward, touched rows only (native embeddings, one process)",
     )
-    embedding_lr: float = opt(0.0, "peak learning rate of the embedding tables (0: optim.lr)")
-    weight_decay: float = opt(0.0, "AdamW weight decay (never applied to embeddings or norms)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.98, "AdamW beta2")
-    warmup_steps: int = opt(20, "linear warm-up steps, then cosine decay")
-    final_lr_fraction: float = opt(0.1, "the cosine decay ends at this fraction of the peak")
-    grad_clip: float = opt(1.0, "clip the dense tower's global gradient norm to this (0: off)")
+    embedding_lr: float = opt(
+        0.0, "peak learning rate of the embedding tables (0: optim.lr)", at_least=0
+    )
+    weight_decay: float = opt(
+        0.0, "AdamW weight decay (never applied to embeddings or norms)", at_least=0
+    )
+    beta1: float = opt(0.9, "AdamW beta1", at_least=0, below=1)
+    beta2: float = opt(0.98, "AdamW beta2", at_least=0, below=1)
+    warmup_steps: int = opt(20, "linear warm-up steps, then cosine decay", at_least=0)
+    final_lr_fraction: float = opt(
+        0.1, "the cosine decay ends at this fraction of the peak", at_least=0, at_most=1
+    )
+    grad_clip: float = opt(
+        1.0, "clip the dense tower's global gradient norm to this (0: off)", at_least=0
+    )
+    skip_nonfinite: bool = opt(
+        False,
+        "skip (and count) a step whose loss or gradients are NaN or infinite, at one host sync "
+        "per step (false: stop the run with an error naming the first such step)",
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        _require(self.lr > 0, "optim.lr", "positive", self.lr)
-        _choice("optim.embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
-        _require(self.embedding_lr >= 0, "optim.embedding_lr", "≥ 0", self.embedding_lr)
-        _require(self.weight_decay >= 0, "optim.weight_decay", "≥ 0", self.weight_decay)
-        _require(0 <= self.beta1 < 1, "optim.beta1", "in [0, 1)", self.beta1)
-        _require(0 <= self.beta2 < 1, "optim.beta2", "in [0, 1)", self.beta2)
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", "≥ 0", self.warmup_steps)
-        _require(
-            0 <= self.final_lr_fraction <= 1,
-            "optim.final_lr_fraction",
-            "in [0, 1]",
-            self.final_lr_fraction,
-        )
-        _require(self.grad_clip >= 0, "optim.grad_clip", "≥ 0", self.grad_clip)
+        """Raises ``ConfigError`` naming the first bad field (ranges, choices)."""
+        check_numbers("optim", self)
+        require_choice("optim.embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
 
 
 @dataclass
@@ -226,24 +245,29 @@ class ParallelConfig:
     backend: str = opt(
         "auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl"
     )
-    dp_replicate: int = opt(1, "HSDP replicas of the dense tower (1: plain FSDP over all ranks)")
-    ep: int = opt(1, "expert-parallel group size for model.ffn=moe (divides the shard group)")
+    dp_replicate: int = opt(
+        1, "HSDP replicas of the dense tower (1: plain FSDP over all ranks)", at_least=1
+    )
+    ep: int = opt(
+        1, "expert-parallel group size for model.ffn=moe (divides the shard group)", at_least=1
+    )
     ep_max_tokens: int = opt(
         0,
         "history tokens any rank may hold in one batch with ep > 1: sizes every MoE's all-to-all "
         "buffers, the same on all ranks (0: data.batch_size × data.max_len, rounded up to "
         "lowprec.token_multiple; a tighter bound saves memory and expert FLOPs)",
+        at_least=0,
     )
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        _choice("parallel.dense", self.dense, ("auto", "fsdp", "none"))
-        _choice("parallel.embeddings", self.embeddings, ("auto", "native", "torchrec"))
-        _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
-        _require(
-            self.dp_replicate >= 1, "parallel.dp_replicate", "a positive integer", self.dp_replicate
-        )
-        _require(self.ep >= 1, "parallel.ep", "a positive integer", self.ep)
-        _require(self.ep_max_tokens >= 0, "parallel.ep_max_tokens", "≥ 0", self.ep_max_tokens)
+        """Raises ``ConfigError`` naming the first bad field (ranges, choices)."""
+        check_numbers("parallel", self)
+        require_choice("parallel.dense", self.dense, ("auto", "fsdp", "none"))
+        require_choice("parallel.embeddings", self.embeddings, ("auto", "native", "torchrec"))
+        require_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
 
 
 @dataclass
@@ -257,58 +281,78 @@ class LowPrecConfig:
         0,
         "append dummy samples (out of loss and metrics) so that each batch's token count is a "
         "multiple of this and its sample count of 16: aligned fp8 GEMMs, few distinct shapes (0: off)",
+        at_least=0,
     )
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        _choice("lowprec.recipe", self.recipe, ("none", "bf16", "mxfp8", "fp8_rowwise"))
-        _require(self.token_multiple >= 0, "lowprec.token_multiple", "≥ 0", self.token_multiple)
+        """Raises ``ConfigError`` naming the first bad field (ranges, choices)."""
+        check_numbers("lowprec", self)
+        require_choice("lowprec.recipe", self.recipe, ("none", "bf16", "mxfp8", "fp8_rowwise"))
 
 
 @dataclass
 class MemoryConfig:
     autoac: bool = opt(False, "plan activation checkpointing with gem_memory's AutoAC")
-    budget_gib: float = opt(0.0, "activation memory budget for AutoAC in GiB (0: 60% of free)")
+    budget_gib: float = opt(
+        0.0, "activation memory budget for AutoAC in GiB (0: 60% of free)", at_least=0
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        _require(self.budget_gib >= 0, "memory.budget_gib", "≥ 0", self.budget_gib)
+        """Raises ``ConfigError`` naming the first bad field."""
+        check_numbers("memory", self)
 
 
 @dataclass
 class CheckpointConfig:
     folder: str = opt("", "checkpoint folder (empty: no checkpoints)")
-    every: int = opt(0, "save every this many steps (0: only at the end)")
-    keep: int = opt(3, "keep the newest this many checkpoints")
+    every: int = opt(0, "save every this many steps (0: only at the end)", at_least=0)
+    keep: int = opt(3, "keep the newest this many checkpoints", at_least=1)
     resume: bool = opt(True, "resume from the newest checkpoint in folder if there is one")
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        _require(self.every >= 0, "checkpoint.every", "≥ 0", self.every)
-        _require(self.keep >= 1, "checkpoint.keep", "≥ 1", self.keep)
+        """Raises ``ConfigError`` naming the first bad field."""
+        check_numbers("checkpoint", self)
 
 
 @dataclass
 class MetricsConfig:
-    log_every: int = opt(10, "steps between logged windows of loss / NE / AUC / QPS")
+    log_every: int = opt(10, "steps between logged windows of loss / NE / AUC / QPS", at_least=1)
     tensorboard: str = opt("", "TensorBoard log folder (empty: none)")
     summary_json: str = opt("", "write a JSON summary of the run here (empty: none)")
     progress: bool = opt(True, "show a rich progress bar on rank 0")
-    peak_tflops: float = opt(0.0, "peak dense BF16 TFLOP/s for MFU (0: from the device name)")
+    peak_tflops: float = opt(
+        0.0, "peak dense BF16 TFLOP/s for MFU (0: from the device name)", at_least=0
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        _require(self.log_every >= 1, "metrics.log_every", "a positive integer", self.log_every)
-        _require(self.peak_tflops >= 0, "metrics.peak_tflops", "≥ 0", self.peak_tflops)
+        """Raises ``ConfigError`` naming the first bad field."""
+        check_numbers("metrics", self)
 
 
 @dataclass
 class TrainConfig:
     name: str = opt("tiny", "the named config this run started from")
-    steps: int = opt(300, "optimizer steps")
-    seed: int = opt(0, "seed of the model initialisation")
+    steps: int = opt(300, "optimizer steps", at_least=1)
+    seed: int = opt(0, "seed of the model initialisation", at_least=0, at_most=MAX_SEED)
     device: str = opt("auto", "auto (cuda when present), cpu or cuda")
     compile: bool = opt(False, "torch.compile the dense blocks")
     cpu_threads: int = opt(
         1,
         "intra-op threads on the CPU (0: torch's default); the model's many small jagged ops "
         "gain nothing from more, and spinning threads collapse on a shared machine",
+        at_least=0,
     )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -319,19 +363,33 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> "TrainConfig":
-        _require(self.steps >= 1, "steps", "a positive integer", self.steps)
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _require(self.cpu_threads >= 0, "cpu_threads", "≥ 0", self.cpu_threads)
+        """Check every field of every section; returns ``self``.
+
+        Raises:
+            ConfigError: naming the first bad field and what it must be.
+        """
+        check_numbers("", self)
+        require_choice("device", self.device, ("auto", "cpu", "cuda"))
         for section in SECTIONS:
             getattr(self, section).validate()
-        _require(
+        require(
             self.optim.embedding_optimizer != "rowwise_adagrad"
             or self.model.embeddings != "torchrec",
             "optim.embedding_optimizer",
             "adamw with model.embeddings=torchrec (the fused row-wise Adagrad serves the native "
             "tables; set model.embeddings=native)",
             self.optim.embedding_optimizer,
+        )
+        require(
+            not (self.optim.skip_nonfinite and self.optim.embedding_optimizer == "rowwise_adagrad"),
+            "optim.skip_nonfinite",
+            "false with optim.embedding_optimizer=rowwise_adagrad (the fused Adagrad updates the "
+            "tables inside the backward, before a step can be skipped)",
+            self.optim.skip_nonfinite,
         )
         return self
 

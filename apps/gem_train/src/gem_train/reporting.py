@@ -144,7 +144,12 @@ class Reporter:
         else:
             self.print(f"step {row['step']:>6}  {status}")
 
-    def finish(self, evaluation: dict, notes: list[str]) -> dict:
+    def finish(
+        self, evaluation: dict, notes: list[str], *, skipped_nonfinite_steps: int = 0
+    ) -> dict:
+        """The run's summary (written to ``metrics.summary_json`` on rank 0); closes the progress
+        bar and the TensorBoard writer. ``skipped_nonfinite_steps``: steps skipped for a NaN or
+        infinite loss or gradient (``optim.skip_nonfinite``)."""
         if self.progress is not None:
             self.progress.stop()
         steady = self.steady
@@ -168,6 +173,7 @@ class Reporter:
             "rank": self.run.rank,
             "device": str(self.run.device),
             "optimisations": notes,
+            "skipped_nonfinite_steps": skipped_nonfinite_steps,
             "losses": self.losses,
             "history": self.history,
         }

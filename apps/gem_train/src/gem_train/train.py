@@ -4,7 +4,9 @@
 optimizer, data), resumes from the newest checkpoint if there is one, then for each step: take
 this rank's next balanced batch (prepared in the background), compute both tasks' logits and the
 summed BCE loss, step AdamW, report, and checkpoint when due. Nothing in a step waits for the
-device; an optional ``profiling.StepTimer`` times each phase. At the end it evaluates NE and AUC
+device; an optional ``profiling.StepTimer`` times each phase. A ``finite.FiniteGuard`` watches
+the loss and gradients: a NaN or infinity stops the run at the next logging window or checkpoint
+(``NonFiniteError`` naming the step), or skips the step with ``optim.skip_nonfinite``. At the end it evaluates NE and AUC
 on held-out batches and returns the summary (also written to ``metrics.summary_json``).
 """
 
@@ -17,6 +19,7 @@ from gem_lowprec.linear import measure_pending
 from gem_train.components import Run, build_run
 from gem_train.config import TrainConfig
 from gem_train.data.loader import StepBatch
+from gem_train.finite import FiniteGuard
 from gem_train.metrics import quality_of
 from gem_train.model import loss_of
 from gem_train.profiling import StepTimer
@@ -29,27 +32,32 @@ def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
     start = resume(run)
     reporter = Reporter(run, start_step=start, t_start=t_start)
     timer = timer or StepTimer(run.device, enabled=False)
+    guard = FiniteGuard(cfg, device=run.device, world=run.world)
     for note in run.notes:
         reporter.print(note)
     run.model.train()
     for step in range(start, cfg.steps):
         timer.begin()
         prepared = next(run.batches)  # shuffled, padded, pinned by the loader's thread
-        batch, logits, loss = train_step(run, prepared, step, timer)
+        batch, logits, loss = train_step(run, prepared, step, timer, guard)
+        if guard.due(step):
+            guard.check()  # before the window is reported and before any checkpoint
         reporter.step(step, logits, batch, loss, prepared)
         timer.mark("metrics")
         every = cfg.checkpoint.every
         if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
             save(run, step + 1)
-    summary = reporter.finish(evaluate(run), run.notes)
+    summary = reporter.finish(evaluate(run), run.notes, skipped_nonfinite_steps=guard.skipped)
     if dist.is_initialized():
         dist.destroy_process_group()
     return summary
 
 
-def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
+def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer, guard: FiniteGuard):
     """One optimizer step; returns the device batch, the real samples' logits and the loss, none
-    of them synced. Padding samples (``lowprec.token_multiple``) are dropped before the loss."""
+    of them synced. Padding samples (``lowprec.token_multiple``) are dropped before the loss.
+    ``guard`` sees the loss and gradients before the update and may skip it
+    (``optim.skip_nonfinite``)."""
     batch = prepared.batch.to(run.device, non_blocking=True)
     timer.mark("data")
     run.set_lr(step)
@@ -61,8 +69,9 @@ def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     timer.mark("backward")
-    run.clip_gradients()
-    run.optimizer.step()
+    if guard.allows_step(step, loss, run.model):
+        run.clip_gradients()
+        run.optimizer.step()
     measure_pending(run.model)  # fp8-vs-BF16 timings of linears first met in checkpointed blocks
     timer.mark("optimizer")
     return batch, logits, loss

@@ -18,22 +18,29 @@ How a step is formed
 The target
     ``count · mean_cost``, moved toward the pool's excess but clipped to ``headroom`` either side
     (``local_batch.batch_target``), and raised when heavy samples pile up near their delay limit
-    (``local_batch.deadline_floor``). ``mean_cost`` is a running estimate over every sample this rank
-    has read. All ranks estimate the same value, but with heavy tails the estimates of different
-    ranks disagree by several percent for the first hundreds of steps (relative error about
-    cost CV / sqrt(samples read)), and that disagreement is imbalance; give ``expected_cost``
-    (``expected_sample_cost`` over a sample of lengths every rank reads alike, e.g. dataset
-    metadata) to make them agree from the first step, weighted as ``prior_weight`` samples.
+    (``local_batch.deadline_floor``). Every rank must hold the same ``mean_cost``, or the ranks
+    aim at different targets and that disagreement is imbalance. Three ways to get it:
+    ``expected_cost`` (``expected_sample_cost`` over lengths every rank reads alike, e.g. dataset
+    metadata), mixed with this rank's reads as if it were ``prior_weight`` samples (``inf``:
+    fixed); otherwise ``calibration="agree"`` (the default): one all-reduce of the first
+    look-ahead's cost over the ranks (``gem_loadbalance.agreement``), kept fixed for the run;
+    or ``calibration="running"``, each rank's own running estimate, which disagrees across
+    ranks by about cost CV / sqrt(samples read) for hundreds of steps. ``headroom`` (0.5% by
+    default) bounds the heaviest rank at ``1 + headroom`` times neutral; so tight a clip needs
+    ``max_delay=4`` (the default) so that a burst of heavy samples can leave over enough batches.
     ``python -m gem_loadbalance.simulate`` measures how much of the improvement a global
-    repartition would give this captures (workload B1).
+    repartition would give each of these captures (workload B1).
 Determinism and resume
     The batches depend only on the stream and the configuration; ``seed`` only permutes the samples
     inside each emitted batch (per-step generator, so no generator state needs saving).
-    ``state_dict()`` records the step, how far the source was read, which stream positions sit in
-    the pool and their costs, the estimator's sums and the delay histogram; a shuffler rebuilt
-    over the same source and given ``load_state_dict(state)`` re-reads the source from its start
-    up to that point (samples are opaque and never serialized) and then continues with exactly
-    the batches the uninterrupted run would have produced.
+    ``state_dict()`` records the step, how far the source was read, a digest of what was read
+    (``gem_loadbalance.state``), which stream positions sit in the pool and their costs, the
+    estimator's sums and the delay histogram; a shuffler rebuilt over the same source and given
+    ``load_state_dict(state)`` re-reads the source from its start up to that point (samples are
+    opaque and never serialized) and then continues with exactly the batches the uninterrupted
+    run would have produced. Every field is checked on load and again against what the replay
+    re-reads, so a state over another source, or a corrupt one, is refused with the field named
+    instead of resuming into different batches.
 """
 
 from collections.abc import Callable, Iterable, Iterator
@@ -41,11 +48,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .agreement import agree_on_mean
 from .local_batch import batch_target, deadline_floor, plan_local_batch
+from .state import STATE_VERSION, SourceDigest, check_state
 
 __all__ = ["ShufflerConfig", "ShufflerStats", "BaseBatchShuffler"]
-
-_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,12 @@ class ShufflerConfig:
 
     local_batch_size: int
     lookahead: int = 2
-    max_delay: int = 2
-    headroom: float = 0.01
+    max_delay: int = 4
+    headroom: float = 0.005
     gain: float = 1.0
     expected_cost: float | None = None
     prior_weight: float = float(2**20)
+    calibration: str = "agree"
     seed: int = 0
     drop_last: bool = False
 
@@ -75,10 +83,14 @@ class ShufflerConfig:
             raise ValueError(
                 f"lookahead and max_delay must be >= 0, got {self.lookahead} and {self.max_delay}"
             )
-        for name in ("headroom", "gain", "prior_weight"):
+        for name in ("headroom", "gain"):
             value = float(getattr(self, name))
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not float(self.prior_weight) >= 0:
+            raise ValueError(f"prior_weight must be >= 0 (inf: fixed), got {self.prior_weight}")
+        if self.calibration not in ("agree", "running"):
+            raise ValueError(f"calibration must be 'agree' or 'running', got {self.calibration!r}")
         if self.expected_cost is not None:
             value = float(self.expected_cost)
             if not np.isfinite(value) or value <= 0:
@@ -148,15 +160,22 @@ class BaseBatchShuffler:
         headroom: the target's clip either side of neutral, a fraction (≥ 0).
         gain: the share of the pool's excess cost the target moves by (≥ 0).
         expected_cost: a shared expected cost of a sample (> 0), e.g.
-            ``expected_sample_cost`` over lengths every rank reads alike; None: the running
-            estimate alone.
-        prior_weight: how many samples ``expected_cost`` counts for in the running estimate.
+            ``expected_sample_cost`` over lengths every rank reads alike; None: ``calibration``
+            decides.
+        prior_weight: how many samples ``expected_cost`` counts for in the running estimate
+            (≥ 0; ``float("inf")``: ``expected_cost`` is used as is).
+        calibration: without ``expected_cost``, ``"agree"`` (one all-reduce of the first
+            look-ahead's cost sum and count over ``group`` before the first batch, then fixed;
+            every rank must iterate) or ``"running"`` (each rank's own running estimate).
+        group: the ``torch.distributed`` process group of ``"agree"``; None: the default group
+            when ``torch.distributed`` is initialized, else this process alone. Not saved.
         drop_last: drop a short final batch.
 
     Yields lists of samples. Raises ``ValueError`` (or ``TypeError`` for a wrong type) for a bad
     option, both or neither of ``cost`` / ``sub_batch_cost``, a source that is not iterable, a
     pricing function that returns the wrong number of costs or negative ones, a batch that
-    cannot be formed under ``max_delay``, and (on resume) a source that is not the saved one.
+    cannot be formed under ``max_delay``, ``calibration="agree"`` inside a ``DataLoader`` worker
+    of a distributed job, and (on resume) a state or a source that is not the saved one.
     """
 
     def __init__(
@@ -168,11 +187,13 @@ class BaseBatchShuffler:
         local_batch_size: int,
         seed: int = 0,
         lookahead: int = 2,
-        max_delay: int = 2,
-        headroom: float = 0.01,
+        max_delay: int = 4,
+        headroom: float = 0.005,
         gain: float = 1.0,
         expected_cost: float | None = None,
         prior_weight: float = float(2**20),
+        calibration: str = "agree",
+        group=None,
         drop_last: bool = False,
     ):
         if (cost is None) == (sub_batch_cost is None):
@@ -189,12 +210,14 @@ class BaseBatchShuffler:
             gain=gain,
             expected_cost=None if expected_cost is None else float(expected_cost),
             prior_weight=float(prior_weight),
+            calibration=calibration,
             seed=seed,
             drop_last=drop_last,
         )
         self._sub_batches = sub_batches
         self._cost = cost
         self._sub_batch_cost = sub_batch_cost
+        self._group = group
         self._reset()
         self._resume_from: dict | None = None
 
@@ -203,9 +226,11 @@ class BaseBatchShuffler:
         self._step = 0
         self._consumed_samples = 0
         self._consumed_sub_batches = 0
+        self._digest = SourceDigest()
         self._pool = _Pool()
         self._cost_sum = 0.0
         self._cost_count = 0
+        self._agreed_cost: float | None = None
         self._delay_counts: dict[int, int] = {}
         self._emitted = 0
         self._last_target = 0.0
@@ -214,15 +239,17 @@ class BaseBatchShuffler:
     def state_dict(self) -> dict:
         """The state after the most recently yielded batch (plain Python types only)."""
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "config": asdict(self.config),
             "step": self._step,
             "consumed_samples": self._consumed_samples,
             "consumed_sub_batches": self._consumed_sub_batches,
+            "source_digest": self._digest.hexdigest(),
             "pool_positions": self._pool_view().positions.tolist(),
             "pool_costs": self._pool_view().costs.tolist(),
             "cost_sum": self._cost_sum,
             "cost_count": self._cost_count,
+            "agreed_cost": self._agreed_cost,
             "delay_counts": {int(k): int(v) for k, v in self._delay_counts.items()},
             "emitted": self._emitted,
             "last_target": self._last_target,
@@ -232,21 +259,13 @@ class BaseBatchShuffler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` on the next ``iter()`` (which re-reads the source up to it).
 
-        ``ValueError`` for a state not saved by ``state_dict()`` (or of another version), saved
-        under another configuration, or corrupt.
+        ``ValueError`` naming the key or field for a state not saved by ``state_dict()`` (or of
+        another version), lacking a key, saved under another configuration, or with a field of
+        the wrong type, out of range or inconsistent (``gem_loadbalance.state.check_state``).
+        What can only be checked against the source (``source_digest``, ``pool_costs``,
+        ``cost_sum``) raises at the next ``iter()``, while the source is re-read.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"state must be a dict saved by state_dict() (version {_STATE_VERSION})"
-            )
-        if state["config"] != asdict(self.config):
-            raise ValueError(
-                f"state was saved with config {state['config']}, this shuffler has "
-                f"{asdict(self.config)}"
-            )
-        if len(state["pool_positions"]) != len(state["pool_costs"]):
-            raise ValueError("state is corrupt: pool_positions and pool_costs differ in length")
-        self._resume_from = dict(state)
+        self._resume_from = check_state(state, config=asdict(self.config))
 
     def stats(self) -> ShufflerStats:
         """Batches and samples emitted so far, the delay histogram and the last batch's target."""
@@ -289,15 +308,17 @@ class BaseBatchShuffler:
         self._pool.add(np.arange(start, start + len(samples), dtype=np.int64), costs, samples)
         self._consumed_samples += len(samples)
         self._consumed_sub_batches += 1
+        self._digest.update(costs)
         self._cost_sum += float(costs.sum())
         self._cost_count += costs.size
         return True
 
     def _replay(self, source: Iterator, state: dict) -> None:
-        """Re-read the source up to the saved point and rebuild the pool from saved positions."""
+        """Re-read and re-price the source up to the saved point, check it against ``state`` and
+        rebuild the pool from the saved positions."""
         self._reset()
         wanted = state["pool_positions"]
-        position, cursor = 0, 0
+        position, cursor, pool_costs = 0, 0, []
         for n in range(state["consumed_sub_batches"]):
             try:
                 sub_batch = next(source)
@@ -306,9 +327,14 @@ class BaseBatchShuffler:
                     f"the source ended after {n} sub-batches but the state was saved after "
                     f"{state['consumed_sub_batches']}: it is not the same source"
                 ) from None
-            for sample in sub_batch:
+            samples = list(sub_batch)
+            costs = self._price(sub_batch, samples)
+            self._digest.update(costs)
+            self._cost_sum += float(costs.sum())
+            for sample, cost in zip(samples, costs.tolist(), strict=True):
                 if cursor < len(wanted) and wanted[cursor] == position:
                     self._pool.samples.append(sample)
+                    pool_costs.append(cost)
                     cursor += 1
                 position += 1
         if position != state["consumed_samples"] or cursor != len(wanted):
@@ -316,24 +342,55 @@ class BaseBatchShuffler:
                 f"replaying the source gave {position} samples, the state expects "
                 f"{state['consumed_samples']}: it is not the same source"
             )
+        if self._digest.hexdigest() != state["source_digest"]:
+            raise ValueError(
+                f"state field 'source_digest' is {state['source_digest']} but re-reading the "
+                f"source gives {self._digest.hexdigest()}: it is not the same source (or its "
+                "samples are priced differently)"
+            )
+        differ = np.flatnonzero(np.asarray(pool_costs) != np.asarray(state["pool_costs"]))
+        if differ.size:
+            i = int(differ[0])
+            raise ValueError(
+                f"state field 'pool_costs' is corrupt: position {wanted[i]} costs "
+                f"{pool_costs[i]} in the source, {state['pool_costs'][i]} in the state"
+            )
+        if self._cost_sum != state["cost_sum"]:
+            raise ValueError(
+                f"state field 'cost_sum' is {state['cost_sum']} but the source re-read sums to "
+                f"{self._cost_sum}"
+            )
         self._pool.positions = np.asarray(wanted, dtype=np.int64)
-        self._pool.costs = np.asarray(state["pool_costs"], dtype=np.float64)
+        self._pool.costs = np.asarray(pool_costs, dtype=np.float64)
         self._step = state["step"]
         self._consumed_samples = state["consumed_samples"]
         self._consumed_sub_batches = state["consumed_sub_batches"]
-        self._cost_sum = float(state["cost_sum"])
-        self._cost_count = int(state["cost_count"])
-        self._delay_counts = {int(k): int(v) for k, v in state["delay_counts"].items()}
-        self._emitted = int(state["emitted"])
-        self._last_target = float(state["last_target"])
-        self._last_cost = float(state["last_cost"])
+        self._cost_count = state["cost_count"]
+        self._agreed_cost = state["agreed_cost"]
+        self._delay_counts = dict(state["delay_counts"])
+        self._emitted = state["emitted"]
+        self._last_target = state["last_target"]
+        self._last_cost = state["last_cost"]
 
     def _mean_cost(self) -> float:
         cfg = self.config
-        if cfg.expected_cost is None:
-            return self._cost_sum / self._cost_count if self._cost_count else 0.0
-        weight = cfg.prior_weight
-        return (weight * cfg.expected_cost + self._cost_sum) / (weight + self._cost_count)
+        if cfg.expected_cost is not None:
+            weight = cfg.prior_weight
+            if np.isinf(weight):
+                return cfg.expected_cost
+            return (weight * cfg.expected_cost + self._cost_sum) / (weight + self._cost_count)
+        if self._agreed_cost is not None:
+            return self._agreed_cost
+        return self._cost_sum / self._cost_count if self._cost_count else 0.0
+
+    def _agree_once(self) -> None:
+        """Before the first batch: every rank's mean over the first look-ahead, all-reduced."""
+        cfg = self.config
+        if cfg.expected_cost is None and cfg.calibration == "agree" and self._step == 0:
+            if self._agreed_cost is None:
+                self._agreed_cost = agree_on_mean(
+                    self._cost_sum, self._cost_count, group=self._group
+                )
 
     # ----------------------------------------------------------------------------- batches
     def __iter__(self) -> Iterator[list]:
@@ -353,6 +410,7 @@ class BaseBatchShuffler:
             horizon = (self._step + cfg.lookahead + 1) * size
             while not exhausted and self._consumed_samples < horizon:
                 exhausted = not self._read_one(source)
+            self._agree_once()
             pool = self._pool_view()
             if not pool.positions.size:
                 return

@@ -7,7 +7,12 @@ batches of 1024 samples priced ``L + L²/1024``. For each step it records the he
 over the mean rank's cost for
 
 - no shuffling: every rank trains on its natural batch, as it was read;
-- the Base Batch Shuffler with the running estimate of the mean cost (nothing shared at all),
+- the Base Batch Shuffler as it runs by default (``calibration="agree"``): the mean cost
+  all-reduced once over every rank's first look-ahead, then fixed; the simulation computes that
+  all-reduce's value directly (the sum of the ranks' costs over the sum of their counts) and
+  gives it as ``expected_cost`` with ``prior_weight=inf``, which is what the agreement does;
+- the Base Batch Shuffler with the running estimate of the mean cost (``calibration="running"``,
+  nothing shared at all),
   from a cold start (the estimate begins with the first look-ahead) and as it stands after
   ``warm_steps`` earlier steps of training (each rank's estimator state after reading that much of
   its own stream, which is exactly a prior of that weight at that rank's historical mean);
@@ -35,10 +40,11 @@ import numpy as np
 
 from .cost import expected_sample_cost, sample_cost
 from .partition import max_over_mean, part_loads, partition
-from .shuffler import BaseBatchShuffler
+from .shuffler import BaseBatchShuffler, ShufflerConfig
 from .workloads import WORKLOADS, lognormal_lengths
 
 __all__ = [
+    "AGREED",
     "NO_MATPLOTLIB",
     "SimulationConfig",
     "SimulationResult",
@@ -50,6 +56,7 @@ __all__ = [
 _CALIBRATION_SEED = 2**31 - 1
 _HISTORY_SEED = 2**31 - 2
 _B1 = WORKLOADS["B1"]
+AGREED = "shuffler, agreed at start (the default)"
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'gem-loadbalance[plot]'): no plot"
 
 
@@ -78,10 +85,10 @@ class SimulationConfig:
     a: float = _B1.a
     b: float = _B1.b
     seed: int = _B1.lengths.seed
-    lookahead: int = 2
-    max_delay: int = 2
-    headroom: float = 0.01
-    gain: float = 1.0
+    lookahead: int = ShufflerConfig.lookahead
+    max_delay: int = ShufflerConfig.max_delay
+    headroom: float = ShufflerConfig.headroom
+    gain: float = ShufflerConfig.gain
     warm_steps: int = 1000
     calibration_samples: int = 2**20
     optimum_methods: tuple[str, ...] = ("lpt_capped",)
@@ -149,6 +156,23 @@ class _RankStreams:
         return _rank_sub_batches(self.cfg, self.rank)
 
 
+def agreed_mean(cfg: SimulationConfig) -> float:
+    """The mean cost ``calibration="agree"`` all-reduces: every rank's first look-ahead
+    (``lookahead + 1`` local batches), summed over the ranks and divided by their count."""
+    first = range(cfg.lookahead + 1)
+    total, count = 0.0, 0
+    for r in range(cfg.ranks):  # each rank's sum as that rank's shuffler accumulates it
+        rank_sum = 0.0
+        for step in first:
+            lengths = natural_batch_lengths(cfg, r, step)
+            for start in range(0, cfg.local_batch, cfg.sub_batch):
+                costs = sample_cost(lengths[start : start + cfg.sub_batch], a=cfg.a, b=cfg.b)
+                rank_sum += float(costs.sum())
+        total += rank_sum
+        count += len(first) * cfg.local_batch
+    return total / count
+
+
 def simulate(cfg: SimulationConfig, *, progress=None) -> SimulationResult:
     """Run every setting over ``cfg.steps`` steps (see the module docstring).
 
@@ -168,7 +192,10 @@ def simulate(cfg: SimulationConfig, *, progress=None) -> SimulationResult:
     price = lambda sub_batch: sample_cost(np.asarray(sub_batch), a=a, b=b)
     calibration = _lengths(cfg, cfg.calibration_samples, [cfg.seed, _CALIBRATION_SEED])
     # Each setting: (expected_cost, prior_weight) per rank.
-    shuffler_settings = {"shuffler, running estimate (cold)": [(None, 0.0)] * cfg.ranks}
+    shuffler_settings = {
+        AGREED: [(agreed_mean(cfg), float("inf"))] * cfg.ranks,
+        "shuffler, running estimate (cold)": [(None, 0.0)] * cfg.ranks,
+    }
     if cfg.warm_steps:
         history = cfg.warm_steps * cfg.local_batch
         shuffler_settings[f"shuffler, running estimate after {cfg.warm_steps} steps"] = [
@@ -198,6 +225,7 @@ def simulate(cfg: SimulationConfig, *, progress=None) -> SimulationResult:
                 gain=cfg.gain,
                 expected_cost=anchors[r][0],
                 prior_weight=anchors[r][1],
+                calibration="running",
             )
             for r in range(cfg.ranks)
         ]

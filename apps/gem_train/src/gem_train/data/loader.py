@@ -211,8 +211,26 @@ class TrainBatches:
         return self._state
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume after the batch ``state`` describes (before the first batch is taken).
+
+        Raises ``RuntimeError`` once batches were taken, and ``ValueError`` for a state that is
+        not a dict, lacks ``produced`` (named) or holds a negative or non-integer one, was saved
+        with another ``data.shuffle``, or whose shuffler state does not match this run (the
+        shuffler names the field; what needs the source, such as ``source_digest``, raises at
+        the first batch).
+        """
         if self._iterator is not None:
             raise RuntimeError("load_state_dict must come before the first batch is taken")
+        if not isinstance(state, dict) or "produced" not in state:
+            raise ValueError(
+                "the checkpoint's data state is missing key 'produced' (the batches handed out)"
+            )
+        produced = state["produced"]
+        if not isinstance(produced, int) or isinstance(produced, bool) or produced < 0:
+            raise ValueError(
+                f"the checkpoint's data state field 'produced' must be an integer >= 0, got "
+                f"{produced!r}"
+            )
         if ("shuffler" in state) != (self.shuffler is not None):
             raise ValueError(
                 "the checkpoint's data state was saved with data.shuffle="
@@ -220,4 +238,4 @@ class TrainBatches:
             )
         if self.shuffler is not None:
             self.shuffler.load_state_dict(state["shuffler"])
-        self._state = {**state, "produced": int(state["produced"])}
+        self._state = {**state, "produced": produced}

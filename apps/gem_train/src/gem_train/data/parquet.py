@@ -15,7 +15,14 @@ Schema (every column required; ids are non-negative and below the model's vocabu
 | ``click``, ``conversion`` | int8 | labels, 0 or 1 |
 
 The four history lists of a row must have equal lengths (zero is allowed). Event ages become time
-buckets with ``data.batch.time_bucket_of``. The source is a file or a folder of ``*.parquet``
+buckets with ``data.batch.time_bucket_of``.
+
+Nothing is guessed: a null anywhere (a whole list, one element of a list, a scalar), an event
+timestamp after its row's ``request_timestamp``, or an age that does not fit in int64 raises a
+``ValueError`` naming the column and the row (counted from 0 over the files in order). An empty
+history is written as an empty list, never as a null: a null list has no defined length in Arrow
+(its offsets may span another row's values), and a reader that took its offsets at face value
+would hand out data that is not this row's. The source is a file or a folder of ``*.parquet``
 files (sorted by name); rows are served in order, sub-batch ``k`` holding rows ``k·s ... k·s + s −
 1`` counted modulo the row count, so epochs follow each other without dropping a row. Row groups
 are read on demand (the last one read stays cached). ``write_example`` writes synthetic rows in
@@ -26,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gem_train.config import DataConfig, ModelConfig
@@ -102,36 +110,46 @@ class ParquetSource:
         # Keep the order of ``rows`` when they span row groups (``_rows`` groups them).
         table = self._rows(np.sort(rows))
         order = np.argsort(np.argsort(rows, kind="stable"), kind="stable")
-        return self._to_batch(table.take(pa.array(order)), first_row=int(rows[0]))
+        return self._to_batch(table.take(pa.array(order)), rows=rows)
 
-    def _to_batch(self, table: pa.Table, *, first_row: int) -> Batch:
+    def _to_batch(self, table: pa.Table, *, rows: np.ndarray) -> Batch:
+        """``table``'s rows (row ``i`` is row ``rows[i]`` of the files) as a checked ``Batch``."""
         m = self.model
         col = {c: table.column(c).combine_chunks() for c in SCHEMA.names}
-        lists = {c: col[c].values.to_numpy() for c in LIST_COLUMNS}
-        lengths = {c: np.diff(col[c].offsets.to_numpy()) for c in LIST_COLUMNS}
+        _check_no_nulls(col, rows)
+        lists = {c: col[c].flatten().to_numpy() for c in LIST_COLUMNS}
+        lengths = {c: pc.list_value_length(col[c]).to_numpy() for c in LIST_COLUMNS}
         for c in ("action_ids", "category_ids", "event_timestamps"):
             bad = np.flatnonzero(lengths[c] != lengths["item_ids"])
             if bad.size:
                 raise ValueError(
-                    f"row {first_row + int(bad[0])}: {c} has {lengths[c][bad[0]]} entries but "
+                    f"row {rows[bad[0]]}: {c} has {lengths[c][bad[0]]} entries but "
                     f"item_ids has {lengths['item_ids'][bad[0]]}; the history lists must match"
                 )
         scalars = {c: col[c].to_numpy() for c in SCALAR_COLUMNS + LABEL_COLUMNS}
         owner = np.repeat(np.arange(table.num_rows), lengths["item_ids"])
-        age = scalars["request_timestamp"][owner] - lists["event_timestamps"]
+        age = _event_ages(scalars["request_timestamp"][owner], lists["event_timestamps"],
+                          rows[owner])  # fmt: skip
         limits = {
             "item_ids": m.item_vocab, "action_ids": m.action_vocab, "category_ids": m.category_vocab,
             "user_segments": m.segment_vocab, "user_id": m.user_vocab, "ad_id": m.item_vocab,
             "ad_category": m.category_vocab, "advertiser_id": m.advertiser_vocab,
         }  # fmt: skip
+        segment_owner = np.repeat(np.arange(table.num_rows), lengths["user_segments"])
         for c, limit in limits.items():
             values = lists[c] if c in lists else scalars[c]
-            if values.size and (values.min() < 0 or values.max() >= limit):
-                raise ValueError(f"{c} holds ids outside [0, {limit}) near row {first_row}: "
+            bad = np.flatnonzero((values < 0) | (values >= limit))
+            if bad.size:
+                where = segment_owner if c == "user_segments" else owner if c in lists else None
+                row = rows[bad[0]] if where is None else rows[where[bad[0]]]
+                raise ValueError(f"{c} holds ids outside [0, {limit}) at row {row}: "
                                  f"min {values.min()}, max {values.max()}")  # fmt: skip
         for c in LABEL_COLUMNS:
-            if not np.isin(scalars[c], (0, 1)).all():
-                raise ValueError(f"{c} must be 0 or 1 near row {first_row}")
+            bad = np.flatnonzero(~np.isin(scalars[c], (0, 1)))
+            if bad.size:
+                raise ValueError(
+                    f"{c} must be 0 or 1, got {scalars[c][bad[0]]} at row {rows[bad[0]]}"
+                )
         return _to_batch(
             offsets=offsets_of(lengths["item_ids"]), item=lists["item_ids"], action=lists["action_ids"],
             category=lists["category_ids"], time_bucket=time_bucket_of(age, m.time_buckets),
@@ -140,6 +158,45 @@ class ParquetSource:
             ad_category=scalars["ad_category"], advertiser=scalars["advertiser_id"],
             click=scalars["click"], conversion=scalars["conversion"],
         )  # fmt: skip
+
+
+def _check_no_nulls(col: dict[str, pa.Array], rows: np.ndarray) -> None:
+    """``ValueError`` naming the column and the row of the first null list, element or scalar."""
+    for c in SCHEMA.names:
+        array = col[c]
+        if array.null_count:
+            row = rows[np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0]]
+            raise ValueError(f"{c} is null at row {row}; every column is required "
+                             "(write an empty history as an empty list)")  # fmt: skip
+        if c in LIST_COLUMNS and array.flatten().null_count:
+            owner = pc.list_parent_indices(array).to_numpy()
+            element = np.flatnonzero(array.flatten().is_null().to_numpy(zero_copy_only=False))[0]
+            raise ValueError(f"{c} holds a null value at row {rows[owner[element]]}")
+
+
+def _event_ages(request: np.ndarray, events: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``request − event`` per event (int64 seconds), refusing future events and overflow.
+
+    An event after its request would become age 0 (the newest bucket) and an age past int64
+    would wrap negative, both silently; they are data errors and are named instead.
+    """
+    future = np.flatnonzero(events > request)
+    if future.size:
+        i = future[0]
+        raise ValueError(
+            f"event_timestamps: row {rows[i]} has an event {events[i] - request[i]} s after its "
+            f"request_timestamp {request[i]} (event {events[i]}); events must precede the request"
+        )
+    with np.errstate(over="ignore"):
+        age = request - events
+    wrapped = np.flatnonzero(age < 0)  # request ≥ event, so a negative age has wrapped
+    if wrapped.size:
+        i = wrapped[0]
+        raise ValueError(
+            f"event_timestamps: row {rows[i]} request_timestamp {request[i]} − event "
+            f"{events[i]} overflows int64"
+        )
+    return age
 
 
 def write_example(

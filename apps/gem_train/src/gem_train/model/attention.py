@@ -1,4 +1,4 @@
-"""The model's three attentions over the jagged history, each in a jagged and a padded form.
+"""The model's three attentions over the jagged history, each in a jagged, a flex and a padded form.
 
 - ``HistorySelfAttention``: causal softmax attention of the history over itself with a learned
   relative-position bias (``gem_jagged.jagged_flash_attention``), or BlockAttention with RoPE for
@@ -10,11 +10,19 @@
 Each takes the history's ``gem_jagged.JaggedBatch`` (``layout``): the jagged ops share its checks
 and work lists; the padded forms read its offsets.
 
-The ``padded`` form is what the model looks like built from PyTorch-native pieces: pad every
-history to the batch's longest, then ``scaled_dot_product_attention`` with an additive mask (the
-causal mask plus the relative bias), or the GDPA formula on padded tensors. It computes the same
-function (tests compare the two) and is the baseline of the benchmark's ablation. ``gem_jagged``
-picks its reference backend on CPU tensors and its Triton kernels on CUDA.
+Two forms are built from PyTorch-native pieces, the benchmark's two anchors:
+
+- ``flex``: ``torch.nn.attention.flex_attention`` on the packed history with a document (+ causal)
+  ``BlockMask`` and the relative bias as a ``score_mod`` (``gem_train.model.flex``): what a careful
+  torchtitan user builds. The history attention is the jagged model's function (tests compare
+  them); PMA and the cross-attention are *softmax* attention there, since flex cannot apply
+  GDPA's SiLU in place of the softmax, so the flex pooling is a different (native) model.
+- ``padded``: pad every history to the batch's longest, then ``scaled_dot_product_attention``
+  with an additive mask (the causal mask plus the relative bias), or the GDPA formula on padded
+  tensors. It computes the jagged model's function exactly (tests compare the two) and is the
+  baseline of the benchmark's ablation.
+
+``gem_jagged`` picks its reference backend on CPU tensors and its Triton kernels on CUDA.
 """
 
 import math
@@ -23,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gem_train.model.flex import FlexMasks, relative_bias_score_mod
 from gem_train.model.norm import RMSNorm
 
 
@@ -62,6 +71,15 @@ def pad(
     return out, valid_BL
 
 
+def _need_masks(masks: FlexMasks | None, flag: str) -> FlexMasks:
+    if masks is None:
+        raise ValueError(
+            f"{flag}=flex needs the batch's FlexMasks as the layer's last argument "
+            "(DenseTower.forward builds them once per batch)"
+        )
+    return masks
+
+
 def rel_bias_matrix(rel_bias_NR: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """``[N, L, L]``: ``rel_bias[n, clamp(j − i, −R, R) + R]``, looked up as T5 does (an
     embedding of the bucket) in ``dtype``. Its backward is the embedding's segment reduction;
@@ -96,10 +114,17 @@ class HistorySelfAttention(nn.Module):
             nn.Parameter(torch.zeros(n_heads, 2 * rel_bias_radius + 1)) if kind != "block" else None
         )
 
-    def forward(self, x_TD: torch.Tensor, layout, max_len: int) -> torch.Tensor:
+    def forward(
+        self, x_TD: torch.Tensor, layout, max_len: int, masks: FlexMasks | None = None
+    ) -> torch.Tensor:
+        """``[T, D]`` → ``[T, D]``. ``layout``: the history's ``JaggedBatch``; ``masks``: the
+        batch's ``FlexMasks`` (needed by ``kind="flex"`` only)."""
         total = x_TD.shape[0]
         q, k, v = self.qkv(x_TD).view(total, 3, self.n_heads, self.head_dim).unbind(1)
-        if self.kind == "jagged":
+        if self.kind == "flex":
+            masks = _need_masks(masks, "model.attention")
+            o = masks.attend("history", q, k, v, score_mod=relative_bias_score_mod(self.rel_bias))
+        elif self.kind == "jagged":
             o = _op("jagged_flash_attention")(q, k, v, layout, causal=True, rel_bias=self.rel_bias)
         elif self.kind == "block":
             o = _op("block_attention")(
@@ -163,7 +188,8 @@ def padded_gdpa(q_B, k_B, v_B, valid_q_BL, valid_k_BL, *, activation: str, scale
 
 
 class PMAPooling(nn.Module):
-    """``S`` learned seeds attend over each history (GDPA, SiLU): ``[T, D]`` → ``[B, S, D]``."""
+    """``S`` learned seeds attend over each history (GDPA, SiLU; softmax for ``kind="flex"``):
+    ``[T, D]`` → ``[B, S, D]``."""
 
     def __init__(self, d_model: int, n_heads: int, seeds: int, *, kind: str):
         super().__init__()
@@ -178,12 +204,15 @@ class PMAPooling(nn.Module):
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.norm = RMSNorm(d_model)
 
-    def forward(self, x_TD, layout, max_len):
+    def forward(self, x_TD, layout, max_len, masks: FlexMasks | None = None):
         k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
         offsets = layout.offsets
         batch = layout.num_seqs
         q = self.seed_q.to(k.dtype)
-        if self.kind == "jagged":
+        if self.kind == "flex":  # softmax over each history's keys (seed row r: sample r // S)
+            q_QNH = q[None].expand(batch, -1, -1, -1).reshape(batch * self.seeds, *q.shape[1:])
+            o = _need_masks(masks, "model.pooling_attention").attend("pma", q_QNH, k, v)
+        elif self.kind == "jagged":
             o = _op("gdpa")(q, k, v, layout, activation="silu", broadcast_q=True)
         else:
             (k_B, valid_BL), (v_B, _) = pad(k, offsets, max_len), pad(v, offsets, max_len)
@@ -204,7 +233,8 @@ class PMAPooling(nn.Module):
 
 
 class CandidateCrossAttention(nn.Module):
-    """The candidate's ``C`` tokens attend over the history (GDPA, SiLU): → ``[B, C, D]``."""
+    """The candidate's ``C`` tokens attend over the history (GDPA, SiLU; softmax for
+    ``kind="flex"``): → ``[B, C, D]``."""
 
     def __init__(self, d_model: int, n_heads: int, *, kind: str):
         super().__init__()
@@ -214,12 +244,14 @@ class CandidateCrossAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.norm = RMSNorm(d_model)
 
-    def forward(self, cand_BCD, x_TD, layout, max_len):
+    def forward(self, cand_BCD, x_TD, layout, max_len, masks: FlexMasks | None = None):
         batch, tokens, d = cand_BCD.shape
         q = self.q(cand_BCD).view(batch * tokens, self.n_heads, self.head_dim)
         k, v = self.kv(x_TD).view(x_TD.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
         offsets = layout.offsets
-        if self.kind == "jagged":
+        if self.kind == "flex":  # softmax over each history's keys (token r: sample r // C)
+            o = _need_masks(masks, "model.pooling_attention").attend("cross", q, k, v)
+        elif self.kind == "jagged":
             # [0, C, 2C, ...] built and checked on the host: no synchronisation
             candidates = layout.memo(
                 ("candidates", tokens),

@@ -16,6 +16,7 @@ from torch import nn
 
 from gem_train.config import ModelConfig
 from gem_train.model.attention import HistorySelfAttention
+from gem_train.model.flex import FlexMasks
 from gem_train.model.norm import RMSNorm
 
 
@@ -57,7 +58,10 @@ class Block(nn.Module):
             )  # fmt: skip
         )
 
-    def forward(self, x_TD: torch.Tensor, layout, max_len: int) -> torch.Tensor:
-        """``layout``: the history's ``gem_jagged.JaggedBatch``."""
-        x_TD = x_TD + self.attn(self.attn_norm(x_TD), layout, max_len)
+    def forward(
+        self, x_TD: torch.Tensor, layout, max_len: int, masks: FlexMasks | None = None
+    ) -> torch.Tensor:
+        """``layout``: the history's ``gem_jagged.JaggedBatch``; ``masks``: the batch's
+        ``FlexMasks`` for ``model.attention=flex`` (positional, so that forward pre-hooks see it)."""
+        x_TD = x_TD + self.attn(self.attn_norm(x_TD), layout, max_len, masks)
         return x_TD + self.ffn(self.ffn_norm(x_TD))

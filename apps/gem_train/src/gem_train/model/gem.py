@@ -8,7 +8,8 @@ Reading ``forward`` top to bottom:
    pooled bags.
 2. **Sequence tower.** ``n_layers`` pre-norm blocks of jagged causal self-attention with a
    relative bias (or BlockAttention) and a SwiGLU or MoE feed-forward; the history is never
-   padded unless ``model.attention=padded``.
+   padded unless ``model.attention=padded``. With ``model.attention=flex`` (the native anchor)
+   the tower's forward builds the batch's FlexAttention masks once and hands them to every layer.
 3. **Pooling.** PMA: ``S`` learned seeds attend over the final history with GDPA; and the
    candidate's tokens cross-attend to the history with GDPA, which is where the model can tell
    whether this ad matches what the user has been doing.
@@ -32,6 +33,7 @@ from gem_train.data.batch import CANDIDATE_FEATURES, SEQUENCE_FEATURES, Batch
 from gem_train.model.attention import CandidateCrossAttention, PMAPooling
 from gem_train.model.blocks import Block
 from gem_train.model.embeddings import build_embeddings, lookup
+from gem_train.model.flex import FlexMasks
 from gem_train.model.norm import RMSNorm
 
 TASKS = ("ctr", "cvr")
@@ -83,6 +85,7 @@ class DenseTower(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
         d, e, n_cand = m.d_model, m.emb_dim, len(CANDIDATE_FEATURES)
+        self.config = m
         self.inputs = InputProjection(m)
         self.blocks = nn.ModuleList(Block(m) for _ in range(m.n_layers))
         self.final_norm = RMSNorm(d)
@@ -90,17 +93,31 @@ class DenseTower(nn.Module):
         self.cross = CandidateCrossAttention(d, m.n_heads, kind=m.pooling_attention)
         self.interaction = Interaction(m, m.pma_seeds * d + n_cand * d + n_cand * e + 2 * e)
 
+    def flex_masks(self, layout: JaggedBatch, *, total: int, candidates: int) -> FlexMasks | None:
+        """The batch's FlexAttention masks, built once for every layer that uses flex (one
+        ``create_block_mask`` per mask), or None when no layer does."""
+        m = self.config
+        pooling = m.pooling_attention == "flex"
+        if m.attention != "flex" and not pooling:
+            return None
+        return FlexMasks(
+            layout.offsets, total=total, seeds=m.pma_seeds if pooling else 0,
+            candidates=candidates if pooling else 0, history=m.attention == "flex",
+            backend=m.flex_backend,
+        )  # fmt: skip
+
     def forward(self, seq: dict, pooled: dict, layout: JaggedBatch, max_len: int) -> torch.Tensor:
         """Logits ``[B, len(TASKS)]`` (a fresh tensor, not a view: FSDP hooks its output).
         ``layout`` is the history's ``JaggedBatch``, shared by every attention layer."""
         history = torch.cat([seq[f] for f in SEQUENCE_FEATURES], dim=-1)  # [T, 4E]
         candidate = torch.stack([seq[f] for f in CANDIDATE_FEATURES], dim=1)  # [B, C, E]
         x, cand = self.inputs(history, candidate)
+        masks = self.flex_masks(layout, total=x.shape[0], candidates=candidate.shape[1])
         for block in self.blocks:
-            x = block(x, layout, max_len)
+            x = block(x, layout, max_len, masks)
         x = self.final_norm(x)
-        pma = self.pma(x, layout, max_len)  # [B, S, D]
-        cross = self.cross(cand, x, layout, max_len)  # [B, C, D]
+        pma = self.pma(x, layout, max_len, masks)  # [B, S, D]
+        cross = self.cross(cand, x, layout, max_len, masks)  # [B, C, D]
         features = torch.cat(
             [
                 pma.flatten(1),

@@ -15,9 +15,10 @@ import torch
 from ..._checks import check_head_dim, check_same, check_tokens, check_values, resolve_backend
 from ..._dispatch import custom_op_required
 from ...batch import JaggedBatch, as_batch
-from ._op import BlockAttentionTritonFunction, block_attention_op
+from ._op import BlockAttentionTritonFunction, block_attention_op, resolve_config
+from .config import BlockAttentionConfig, config_for
 
-__all__ = ["block_attention"]
+__all__ = ["BlockAttentionConfig", "block_attention", "config_for"]
 
 MAX_BLOCK_SIZE = 128
 MAX_FP32_BLOCK_SIZE = 64  # Triton backend: a whole fp32 block's operands must fit on chip
@@ -34,6 +35,7 @@ def block_attention(
     rope_theta: float | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    config: BlockAttentionConfig | None = None,
 ) -> torch.Tensor:
     """Block-local softmax attention over jagged sequences.
 
@@ -47,13 +49,15 @@ def block_attention(
             each token's position in its sequence; None for no rotation.
         scale: score scale, default ``1/sqrt(H)``.
         backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
+        config: the Triton kernels' ``BlockAttentionConfig`` (warps, stages); None picks
+            ``config_for(block_size=block_size, head_dim=H)``. The reference backend ignores it.
 
     Returns:
         ``[T, N, H]`` in q's dtype; gradients are with respect to the un-rotated q and k.
 
     Raises:
         TypeError / ValueError naming the argument for bad types, shapes, block sizes,
-        ``rope_theta`` values or offsets.
+        ``rope_theta`` values, offsets or ``config``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)
@@ -85,10 +89,16 @@ def block_attention(
             f"memory (an H200 has 227 KiB); use bf16/fp16 inputs or backend='reference'"
         )
     rope_theta = None if rope_theta is None else float(rope_theta)
+    if config is not None and not isinstance(config, BlockAttentionConfig):
+        raise TypeError(
+            f"config must be a BlockAttentionConfig or None, got {type(config).__name__}"
+        )
+    config = resolve_config(config, q, block_size)
     if backend == "triton" and not custom_op_required(q, k, v):
         return BlockAttentionTritonFunction.apply(
-            q, k, v, batch, block_size, bool(causal), rope_theta, scale
+            q, k, v, batch, block_size, bool(causal), rope_theta, scale, config
         )
     return block_attention_op(
-        q, k, v, batch.offsets, block_size, bool(causal), rope_theta, scale, backend
-    )
+        q, k, v, batch.offsets, block_size, bool(causal), rope_theta, scale, backend,
+        config.as_ints(),
+    )  # fmt: skip

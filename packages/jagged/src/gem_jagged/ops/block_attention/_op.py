@@ -15,6 +15,19 @@ from gem_jagged._flops import block_pairs, register_attention_formulas
 
 from . import reference
 from . import triton as kernels
+from .config import BlockAttentionConfig, config_for
+
+
+def resolve_config(config: BlockAttentionConfig | None, q: torch.Tensor, block_size: int):
+    """``config``, or ``config_for`` this call's block size and head dim when it is None."""
+    if config is not None:
+        return config
+    return config_for(block_size=block_size, head_dim=q.shape[2])
+
+
+def _config_from(values: list[int] | None, q, block_size) -> BlockAttentionConfig:
+    config = None if values is None else BlockAttentionConfig.from_ints(values)
+    return resolve_config(config, q, block_size)
 
 
 @torch.library.custom_op("gem_jagged::block_attention", mutates_args=())
@@ -28,15 +41,18 @@ def block_attention_op(
     rope_theta: float | None,
     scale: float,
     backend: str,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
+    """The forward; ``config`` is ``BlockAttentionConfig.as_ints()`` (None: ``config_for``)."""
     options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
     if backend == "triton":
-        return kernels.block_attention_forward(q, k, v, offsets, **options)
+        config = _config_from(config, q, block_size)
+        return kernels.block_attention_forward(q, k, v, offsets, config=config, **options)
     return reference.block_attention_reference(q, k, v, offsets, **options)
 
 
 @block_attention_op.register_fake
-def _(q, k, v, offsets, block_size, causal, rope_theta, scale, backend):
+def _(q, k, v, offsets, block_size, causal, rope_theta, scale, backend, config=None):
     return torch.empty_like(q)
 
 
@@ -52,15 +68,19 @@ def block_attention_backward_op(
     rope_theta: float | None,
     scale: float,
     backend: str,
+    config: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
     if backend == "triton":
-        return kernels.block_attention_backward(grad_out, q, k, v, offsets, **options)
+        config = _config_from(config, q, block_size)
+        return kernels.block_attention_backward(
+            grad_out, q, k, v, offsets, config=config, **options
+        )
     return reference.block_attention_reference_backward(grad_out, q, k, v, offsets, **options)
 
 
 @block_attention_backward_op.register_fake
-def _(grad_out, q, k, v, offsets, block_size, causal, rope_theta, scale, backend):
+def _(grad_out, q, k, v, offsets, block_size, causal, rope_theta, scale, backend, config=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -73,7 +93,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     q, k, v, offsets = ctx.saved_tensors
     dq, dk, dv = block_attention_backward_op(grad_out.contiguous(), q, k, v, offsets, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, *([None] * len(ctx.options))
 
 
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -100,8 +120,11 @@ class BlockAttentionTritonFunction(torch.autograd.Function):
     """Eager Triton path: the launchers behind autograd, without the custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, batch, block_size, causal, rope_theta, scale):
-        options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
+    def forward(ctx, q, k, v, batch, block_size, causal, rope_theta, scale, config):
+        options = dict(
+            block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale,
+            config=config,
+        )  # fmt: skip
         offsets = batch.offsets
         table = kernels.batch_block_table(batch, block_size)
         out = kernels.block_attention_forward(q, k, v, offsets, block_ends_B=table, **options)
@@ -116,4 +139,4 @@ class BlockAttentionTritonFunction(torch.autograd.Function):
         dq, dk, dv = kernels.block_attention_backward(
             grad_out, q, k, v, offsets, block_ends_B=table, **ctx.options
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None

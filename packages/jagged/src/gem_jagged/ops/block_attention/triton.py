@@ -26,13 +26,14 @@ attention kernels and nothing else.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
-from gem_jagged._intmath import cdiv, next_power_of_2
+from gem_jagged._intmath import cdiv
 from gem_jagged._jit import jit
+
+from .config import BlockAttentionConfig, padded_block
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -197,20 +198,6 @@ def _block_attention_bwd_kernel(
     _store_halves(dk_ptr, rows, valid, stride_dkt, head, dk1, dk2, H, H2)
 
 
-@dataclass(frozen=True)
-class BlockLaunch:
-    """Launch options: warps of the forward and backward programs, pipeline stages."""
-
-    fwd_warps: int
-    bwd_warps: int
-    stages: int = 1
-
-
-def default_launch(block: int, head_dim: int) -> BlockLaunch:
-    big = block * head_dim >= 64 * 128
-    return BlockLaunch(fwd_warps=8 if big else 4, bwd_warps=8 if big else 4)
-
-
 _SEARCH = 256  # sequences per vector load of the block search
 _TABLE_CHUNK = 1024  # sequences per step of the table kernel
 
@@ -239,7 +226,7 @@ def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B):
     grid = (cdiv(q_TNH.shape[0], block_size) + num_seqs, q_TNH.shape[1])
     flags = dict(
         H=q_TNH.shape[2], ROPE=rope_theta is not None,
-        BLOCK=max(16, next_power_of_2(block_size)), IEEE=q_TNH.dtype == torch.float32,
+        BLOCK=padded_block(block_size), IEEE=q_TNH.dtype == torch.float32,
         SEARCH=_SEARCH,
     )  # fmt: skip
     log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
@@ -247,7 +234,7 @@ def _launch_args(q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B):
 
 
 def block_attention_forward(q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, causal, rope_theta,
-                            scale, launch: BlockLaunch | None = None,
+                            scale, config: BlockAttentionConfig,
                             block_ends_B: torch.Tensor | None = None):  # fmt: skip
     """Output ``[T, N, H]``; ``block_ends_B`` (``block_table``) is built here when not given."""
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
@@ -255,19 +242,18 @@ def block_attention_forward(q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, cau
     grid, block_ends_B, num_seqs, log2_theta, flags = _launch_args(
         q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B
     )
-    launch = launch or default_launch(flags["BLOCK"], q_TNH.shape[2])
     if grid[0] > 0:
         _block_attention_fwd_kernel[grid](
             q_TNH, k_TNH, v_TNH, out, offsets_Bp1, block_ends_B, num_seqs,
             q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), out.stride(0),
             block_size, scale, log2_theta, CAUSAL=causal,
-            num_warps=launch.fwd_warps, num_stages=launch.stages, **flags,
+            num_warps=config.fwd_warps, num_stages=config.stages, **flags,
         )  # fmt: skip
     return out
 
 
 def block_attention_backward(do_TNH, q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_size, causal,
-                             rope_theta, scale, launch: BlockLaunch | None = None,
+                             rope_theta, scale, config: BlockAttentionConfig,
                              block_ends_B: torch.Tensor | None = None):  # fmt: skip
     """``(dq, dk, dv)`` with respect to the un-rotated q and k."""
     do_TNH = do_TNH.contiguous()
@@ -276,12 +262,11 @@ def block_attention_backward(do_TNH, q_TNH, k_TNH, v_TNH, offsets_Bp1, *, block_
     grid, block_ends_B, num_seqs, log2_theta, flags = _launch_args(
         q_TNH, offsets_Bp1, block_size, rope_theta, block_ends_B
     )
-    launch = launch or default_launch(flags["BLOCK"], q_TNH.shape[2])
     if grid[0] > 0:
         _block_attention_bwd_kernel[grid](
             q_TNH, k_TNH, v_TNH, do_TNH, dq, dk, dv, offsets_Bp1, block_ends_B, num_seqs,
             q_TNH.stride(0), k_TNH.stride(0), v_TNH.stride(0), do_TNH.stride(0),
             dq.stride(0), dk.stride(0), dv.stride(0), block_size, scale, log2_theta,
-            CAUSAL=causal, num_warps=launch.bwd_warps, num_stages=launch.stages, **flags,
+            CAUSAL=causal, num_warps=config.bwd_warps, num_stages=config.stages, **flags,
         )  # fmt: skip
     return dq, dk, dv

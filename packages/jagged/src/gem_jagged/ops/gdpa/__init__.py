@@ -33,10 +33,20 @@ from ..._checks import (
 )
 from ..._dispatch import custom_op_required
 from ...batch import JaggedBatch, as_batch
-from ._op import GdpaTritonFunction, gdpa_op
+from ._op import GdpaTritonFunction, gdpa_op, resolve_tiles
+from .config import GdpaTiles, Regime, SigmoidForm, arch_of, regime_for, tiles_for
 from .reference import ACTIVATIONS
 
-__all__ = ["gdpa", "ACTIVATIONS"]
+__all__ = [
+    "ACTIVATIONS",
+    "GdpaTiles",
+    "Regime",
+    "SigmoidForm",
+    "arch_of",
+    "gdpa",
+    "regime_for",
+    "tiles_for",
+]
 
 
 def gdpa(
@@ -53,6 +63,7 @@ def gdpa(
     broadcast_q: bool = False,
     rel_bias: torch.Tensor | None = None,
     backend: str = "auto",
+    tiles: GdpaTiles | None = None,
 ) -> torch.Tensor:
     """Generalized dot-product attention, ``out_scale · (act(scale·QKᵀ + bias) ⊙ mask) V``.
 
@@ -69,13 +80,17 @@ def gdpa(
             ``[B·S, N, H]``.
         rel_bias: ``[N, 2R+1]`` learned relative bias (it receives a gradient).
         backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
+        tiles: the Triton kernels' ``GdpaTiles`` (tile shapes, program counts, activation
+            form); None picks the measured ones, ``tiles_for(arch=arch_of(q.device),
+            dtype=q.dtype, head_dim=H, regime=regime_for(rel_bias_NB=rel_bias))``. The
+            reference backend ignores it.
 
     Returns:
         ``[Tq, N, H]`` (``[B·S, N, H]`` with ``broadcast_q``) in q's dtype.
 
     Raises:
-        TypeError / ValueError naming the argument for bad types, shapes, activations or
-        offsets.
+        TypeError / ValueError naming the argument for bad types, shapes, activations,
+        offsets or ``tiles``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)
@@ -126,14 +141,17 @@ def gdpa(
     if batch.device != q.device:
         raise ValueError(f"the offsets are on {batch.device} but q is on {q.device}")
     check_rel_bias(rel_bias, num_heads=q.shape[1], like=q)
+    if tiles is not None and not isinstance(tiles, GdpaTiles):
+        raise TypeError(f"tiles must be a GdpaTiles or None, got {type(tiles).__name__}")
+    tiles = resolve_tiles(tiles, q, rel_bias)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
     if backend == "triton" and not custom_op_required(q, k, v, rel_bias):
         return GdpaTritonFunction.apply(
             q, k, v, batch, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
-            float(out_scale), bool(broadcast_q), is_cross,
+            float(out_scale), bool(broadcast_q), is_cross, tiles,
         )  # fmt: skip
     return gdpa_op(
         q, k, v, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
-        float(out_scale), bool(broadcast_q), is_cross, backend,
+        float(out_scale), bool(broadcast_q), is_cross, backend, tiles.as_ints(),
     )  # fmt: skip

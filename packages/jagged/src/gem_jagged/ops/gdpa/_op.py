@@ -20,6 +20,21 @@ from gem_jagged.batch import JaggedBatch
 
 from . import reference
 from . import triton as kernels
+from .config import GdpaTiles, arch_of, regime_for, tiles_for
+
+
+def resolve_tiles(tiles: GdpaTiles | None, q: torch.Tensor, rel_bias: torch.Tensor | None):
+    """``tiles``, or the measured ones for this call (``tiles_for``) when it is None."""
+    if tiles is not None:
+        return tiles
+    return tiles_for(
+        arch=arch_of(q.device), dtype=q.dtype, head_dim=q.shape[2],
+        regime=regime_for(rel_bias_NB=rel_bias),
+    )  # fmt: skip
+
+
+def _tiles_from(values: list[int] | None, q, rel_bias) -> GdpaTiles:
+    return resolve_tiles(None if values is None else GdpaTiles.from_ints(values), q, rel_bias)
 
 
 @torch.library.custom_op("gem_jagged::gdpa", mutates_args=())
@@ -37,7 +52,9 @@ def gdpa_op(
     broadcast_q: bool,
     is_cross: bool,
     backend: str,
+    tiles: list[int] | None = None,
 ) -> torch.Tensor:
+    """The forward; ``tiles`` is ``GdpaTiles.as_ints()`` (None: ``tiles_for`` picks)."""
     options = dict(
         activation=activation, causal=causal, scale=scale, out_scale=out_scale,
         broadcast_q=broadcast_q,
@@ -46,14 +63,14 @@ def gdpa_op(
         batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=None)
         return kernels.gdpa_forward(
             q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
-            batch=batch, **options,
+            batch=batch, tiles=_tiles_from(tiles, q, rel_bias), **options,
         )  # fmt: skip
     return reference.gdpa_reference(q, k, v, q_offsets, kv_offsets, rel_bias=rel_bias, **options)
 
 
 @gdpa_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, rel_bias, activation, causal, scale, out_scale,
-      broadcast_q, is_cross, backend):  # fmt: skip
+      broadcast_q, is_cross, backend, tiles=None):  # fmt: skip
     rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, k.shape[1], v.shape[2]))
 
@@ -74,6 +91,7 @@ def gdpa_backward_op(
     broadcast_q: bool,
     is_cross: bool,
     backend: str,
+    tiles: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, d_rel_bias)``; ``d_rel_bias`` is an empty tensor when there is no bias."""
     options = dict(
@@ -84,7 +102,7 @@ def gdpa_backward_op(
         batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=None)
         dq, dk, dv, d_bias = kernels.gdpa_backward(
             grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
-            batch=batch, **options,
+            batch=batch, tiles=_tiles_from(tiles, q, rel_bias), **options,
         )  # fmt: skip
     else:
         dq, dk, dv, d_bias = reference.gdpa_reference_backward(
@@ -97,7 +115,7 @@ def gdpa_backward_op(
 
 @gdpa_backward_op.register_fake
 def _(grad_out, q, k, v, q_offsets, kv_offsets, rel_bias, activation, causal, scale,
-      out_scale, broadcast_q, is_cross, backend):  # fmt: skip
+      out_scale, broadcast_q, is_cross, backend, tiles=None):  # fmt: skip
     d_bias = q.new_empty((0,)) if rel_bias is None else torch.empty_like(rel_bias)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_bias
 
@@ -110,12 +128,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     q, k, v, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
-    activation, causal, scale, out_scale, broadcast_q, is_cross, backend = ctx.options
     dq, dk, dv, d_bias = gdpa_backward_op(
-        grad_out.contiguous(), q, k, v, q_offsets, kv_offsets, rel_bias,
-        activation, causal, scale, out_scale, broadcast_q, is_cross, backend,
-    )  # fmt: skip
-    return dq, dk, dv, None, None, (d_bias if rel_bias is not None else None), *([None] * 7)
+        grad_out.contiguous(), q, k, v, q_offsets, kv_offsets, rel_bias, *ctx.options
+    )
+    nones = [None] * len(ctx.options)
+    return dq, dk, dv, None, None, (d_bias if rel_bias is not None else None), *nones
 
 
 gdpa_op.register_autograd(_backward, setup_context=_setup_context)
@@ -150,10 +167,10 @@ class GdpaTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, batch, q_offsets, kv_offsets, rel_bias, activation, causal, scale,
-                out_scale, broadcast_q, is_cross):  # fmt: skip
+                out_scale, broadcast_q, is_cross, tiles):  # fmt: skip
         options = dict(
             activation=activation, causal=causal, scale=scale, out_scale=out_scale,
-            broadcast_q=broadcast_q, is_cross=is_cross,
+            broadcast_q=broadcast_q, is_cross=is_cross, tiles=tiles,
         )  # fmt: skip
         out, work = kernels.gdpa_forward(
             q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, return_work=True, batch=batch,
@@ -171,4 +188,4 @@ class GdpaTritonFunction(torch.autograd.Function):
             grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, query_work=ctx.work,
             batch=ctx.batch, **ctx.options,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, d_bias, *([None] * 6)
+        return dq, dk, dv, None, None, None, d_bias, *([None] * 7)

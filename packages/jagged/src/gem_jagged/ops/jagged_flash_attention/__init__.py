@@ -15,7 +15,11 @@ offsets' host check when it ran (it does once per offsets tensor); otherwise the
 batch holds both sides): a model builds one per batch, and every call shares its checks, length
 range and work lists (``gem_jagged.batch``). A plain tensor gets a batch built for the call.
 
-``backend="auto"`` runs the Triton kernels (``triton.py``, and the Gluon kernels of ``hopper/``
+``config=`` (a ``JaggedAttentionConfig``, ``config.py``) fixes the Triton kernels' tiles and
+code paths; without it ``config_for`` picks them from the device, dtype, head dim, keys per
+sequence and bias.
+
+``backend="auto"`` runs the Triton kernels (``triton/``, and the Gluon kernels of ``hopper/``
 on sm_90) on CUDA tensors and the PyTorch reference (``reference.py``) on CPU tensors. The op is a
 ``torch.library`` custom op with a fake implementation and autograd (``_op.py``), so
 ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it (nothing in the Triton
@@ -39,6 +43,7 @@ from gem_jagged._dispatch import custom_op_required
 from gem_jagged.batch import JaggedBatch, as_batch
 
 from . import _op
+from .config import JaggedAttentionConfig
 
 __all__ = ["jagged_flash_attention"]
 
@@ -58,6 +63,7 @@ def jagged_flash_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     backend: str = "auto",
+    config: JaggedAttentionConfig | None = None,
 ) -> torch.Tensor:
     """Softmax attention per jagged sequence.
 
@@ -75,13 +81,17 @@ def jagged_flash_attention(
         max_q_len, max_kv_len: launch hints (longest sequences); never truncate anything. A
             checked ``JaggedBatch`` knows them already.
         backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
+        config: the Triton kernels' tiles and code paths (``JaggedAttentionConfig``); None
+            lets ``config_for`` pick from the device, dtype, head dim, keys per sequence and
+            bias. Ignored by the reference backend.
 
     Returns:
         ``[Tq, N, H]`` in q's dtype; a query row that sees no key is zeros.
 
     Raises:
         TypeError / ValueError naming the argument: wrong types, shapes, dtypes, devices,
-        unsupported head dims, offsets that are invalid or do not end at the token counts.
+        unsupported head dims, offsets that are invalid or do not end at the token counts;
+        TypeError when ``config`` is not a ``JaggedAttentionConfig`` or None.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_values(name, x)
@@ -112,6 +122,8 @@ def jagged_flash_attention(
         scale = 1.0 / math.sqrt(q.shape[2])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if config is not None and not isinstance(config, JaggedAttentionConfig):
+        raise TypeError(f"config must be a JaggedAttentionConfig or None, got {config!r}")
     backend = resolve_backend(backend, q.device)
     if backend == "triton" and q.dtype not in TRITON_DTYPES:
         raise TypeError(
@@ -120,10 +132,11 @@ def jagged_flash_attention(
         )
     if backend == "triton" and not custom_op_required(q, k, v, rel_bias):
         return _op.eager_triton_attention(
-            q, k, v, batch, rel_bias, causal=bool(causal), scale=float(scale)
+            q, k, v, batch, rel_bias, causal=bool(causal), scale=float(scale), config=config
         )
+    config_ints = None if config is None or backend != "triton" else config.as_ints()
     out, _, _ = _op.attention_forward(
         q, k, v, batch.offsets, batch.kv_offsets, rel_bias, bool(causal), float(scale),
-        batch.max_len, backend,
+        batch.max_len, backend, config_ints,
     )  # fmt: skip
     return out

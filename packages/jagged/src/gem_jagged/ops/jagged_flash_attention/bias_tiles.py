@@ -2,8 +2,8 @@
 
 The bias of a (query i, key j) pair is ``rel_bias[n, clamp(j − i, −R, R) + R]``. Gathering it
 per score (compute the bucket, clamp, form a pointer, load one element) roughly doubled the
-per-element work of a tile crossing the band, and J1 at gem-small's R = 32 ran 2.3× slower
-with the bias than without (docs/performance.md). But a tile's bias depends only on the offset
+per-element work of a tile crossing the band (``docs/design/jagged_flash_attention.md`` has
+the numbers). But a tile's bias depends only on the offset
 ``o = (first key of the tile) − (first query of the tile)``, and the kernels' tiles start on
 multiples of their heights, so ``o`` is a multiple of ``step = gcd(tile heights)``. Only a
 handful of offsets give a tile that is not constant:

@@ -1,5 +1,5 @@
 """Jagged flash attention on Hopper, written in Gluon (explicit layouts, asynchronous MMAs):
-the work of ``triton.py``'s forward, dK/dV and dQ kernels, from the same work lists, with the
+the work of ``triton/``'s forward, dK/dV and dQ kernels, from the same work lists, with the
 same math, scheduled by hand (``forward.py``, ``backward.py``; this module chooses and launches).
 
 Forward (one program per query tile and head, 2 per SM at head dim 128):
@@ -14,14 +14,10 @@ Forward (one program per query tile and head, 2 per SM at head dim 128):
         O ·= α; refill block j − 1's slot
     O += Pₙ₋₁ Vₙ₋₁; O / l, and the log-sum-exp
 
-Measured and dropped here (docs/performance.md, 2026-12-02, nineteenth and twentieth
-sessions): rescaling O only in the blocks where some row's maximum moved by more than 2⁸
-(FlashAttention-4's lazy rescaling; the per-block reduction across the warps made the forward
-4-5% slower); issuing Sⱼ₊₁ before Sⱼ's softmax with Sⱼ₊₁ still in flight across the loop's
-back edge (ptxas then serializes every MMA, advisory C7514: 1.29-1.37x slower;
-``scripts/hopper_compile.py`` reports the advisory); the same with both MMAs waited for at the
-end of each step (no advisory, but 5.5-6.6% slower: the other program on the SM already fills
-the tensor cores during a softmax); and Q in registers (no measurable change).
+Not done here, each measured slower or no faster (``docs/design/jagged_flash_attention.md``):
+lazy rescaling of O (FlashAttention-4's), issuing Sⱼ₊₁ before Sⱼ's softmax (ptxas then
+serializes every MMA, advisory C7514, which ``scripts/hopper_compile.py`` reports), and Q in
+registers.
 
 dK/dV (one program per key tile, query-range chunk and head):
 
@@ -52,46 +48,40 @@ dQ (one program per query tile and head; it also stores δ = rowsum(dO ⊙ O) fo
 Three ring slots give each K/V block two steps to arrive; with two, one step was too short and
 the warps stalled at the ring's barrier (the dQ kernel's largest stall under Nsight Compute).
 The third slot fits beside two programs per SM only because Q lives in registers (112 KB of
-shared memory instead of 128): J1's dQ 270-285 -> 259-268 us, J2's 426-437 -> 394-398,
-gradients bit-equal (docs/performance.md, 2026-12-01, fourteenth session). Taller query tiles
-(head dim 64: 128 rows on 8 warps over 64-key blocks) keep Q in shared memory: with Q in
-registers there, the four head-dim-64 cases of the GPU test against fp64 failed (the failure
-was not examined).
+shared memory instead of 128). Taller query tiles (head dim 64: 128 rows on 8 warps over
+64-key blocks) keep Q in shared memory: with Q in registers there, the head-dim-64 cases of
+the GPU test against fp64 fail.
 
 dQ stays a kernel of its own, recomputing S and dP: summing each block's dQ part from the dK/dV
-kernel with float32 atomics instead (FlashAttention-2's way) took J1's backward from 0.757 to
-1.08 ms (64-key tiles: 1.4 GB of atomic adds; docs/performance.md, twelfth session).
+kernel with float32 atomics instead (FlashAttention-2's way) is slower (at 64-key tiles, over a
+gigabyte of atomic adds per long-history step).
 
 Why second kernels: Triton keeps the tiles a program holds for its whole loop (K and V in
 dK/dV, Q and dO in dQ) in registers next to the float32 accumulators and score tiles; its dK/dV
 kernel sits at the 255-register limit with spills (``ptxas``, sm_90), and the compiler does not
 overlap the exponentials with the MMAs. Here those tiles stay in shared memory, where ``wgmma``
 reads its left operand (except dQ's Q tile, above), and the MMAs are issued asynchronously in
-the order above. Small
-enough programs to run two per SM won over larger tiles everywhere it was measured
-(docs/performance.md, 2026-11-30, eleventh session); a third per SM (32-key blocks, or a
-register cap) did not win either (twelfth session).
+the order above. Programs small enough to run two per SM beat larger tiles; a third per SM
+(32-key blocks, or a register cap) does not.
 
 Launch order. Program ``pid`` takes work-list slot ``pid mod slots`` of head ``pid div slots``:
 heads outermost, each head's tiles heaviest first. The programs running at any moment then
 stream one head's rows (J1: 27 MB of K and V per head, against 50 MB of L2) instead of every
-head's. With heads innermost, J1's three kernels spent 76 us of their 913 in L2 misses (a
-diagnostic that kept every streamed block L2-resident); heads outermost took J1's forward +
-backward from 0.917 to 0.845 ms eager (docs/performance.md, 2026-11-30, twelfth session).
+head's, and fewer of them miss in L2.
 
 Sequence ends. The tile a program keeps (Q for the forward and dQ, K and V for dK/dV) arrives
 by ``cp.async``, whose mask writes zeros for rows past the sequence's end. The streamed blocks
-arrive by TMA (no per-element addresses in registers: streaming Q and dO, or K and V, that way
-took J1's dK/dV from 419 to 392 us and dQ from 316 to 306, docs/performance.md, 2026-11-30,
-twelfth session), and a block crossing the end holds the next sequence's rows there. Their
+arrive by TMA (no per-element addresses in registers), and a block crossing the end holds the
+next sequence's rows there. Their
 scores are masked, but a row of Inf or NaN would still reach a product through a zero
 probability, so those rows are zeroed in shared memory before any MMA reads them (V in the
 forward; K and V in dQ; Q and dO in dK/dV). Rows past the end are never written.
 
-Gluon compiles for the GPU only (no interpreter): ``triton.py``'s launchers use these kernels
-on sm_90 for 2-byte inputs without a relative bias whose rows 16-byte copies and 32-bit TMA
-coordinates can reach, where the tile table asks for them (``JaggedAttentionConfig.fwd_hopper``,
-``dkdv_hopper``, ``dq_hopper``), and the Triton kernels everywhere else. The GPU tests hold
+Gluon compiles for the GPU only (no interpreter): the Triton launchers (``triton/``) use these
+kernels on sm_90 for 2-byte inputs without a relative bias whose rows 16-byte copies and 32-bit
+TMA coordinates can reach, where the config asks for them (``JaggedAttentionConfig``'s
+``forward_impl``, ``dkdv_impl``, ``dq_impl`` = ``KernelImpl.GLUON_HOPPER``), and the Triton
+kernels everywhere else. The GPU tests hold
 them to the tolerance rule against fp64 and compare them with Triton's.
 """
 
@@ -107,6 +97,7 @@ from .forward import _jfa_fwd_hopper_kernel
 
 HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# Whether each device index is an sm_90 GPU: a fact of the hardware, asked once.
 _HOPPER: dict[int, bool] = {}
 
 
@@ -152,8 +143,8 @@ def tma_reachable(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _block_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a ``[rows, head_dim]`` block (made once: building a layout
-    costs about 25 us of host time)."""
+    """The shared-memory layout of a ``[rows, head_dim]`` block (made once per shape and dtype:
+    building a layout costs host time at every launch otherwise)."""
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
@@ -162,8 +153,7 @@ def row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescr
 
     ``memo`` (a dict, or None) hands back the descriptor made before for the same memory,
     shape, strides and block: a forward and its backward's dQ stream the same K and V blocks,
-    and making one took 26-32 us of host time under cProfile on an H200 host
-    (docs/performance.md, 2026-12-01)."""
+    and making one costs tens of microseconds of host time."""
     key = None
     if memo is not None:
         key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows)
@@ -179,14 +169,21 @@ def row_descriptor(t: torch.Tensor, rows: int, memo: dict | None) -> TensorDescr
     return descriptor
 
 
+def _launch_shape(tiles) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, warps, stages)`` of one kernel's ``TileShape``."""
+    return tiles.block_m, tiles.block_n, tiles.warps, tiles.stages
+
+
 def launch_forward(
     grid, q, k, v, out, lse, q_offsets, kv_offsets, work,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, config, descriptors=None,
 ):  # fmt: skip
-    """Launch the forward kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out contiguous). ``descriptors``: a memo of TMA descriptors (a dict) shared
-    with the backward's launches, or None."""
+    """Launch the forward kernel with the Triton launcher's arguments (q, k, v as
+    ``_rows_of_heads`` leaves them; out contiguous), on ``config.forward``'s tiles.
+    ``descriptors``: a memo of TMA descriptors (a dict) shared with the backward's launches, or
+    None."""
     total_q, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = _launch_shape(config.forward)
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
         out, lse, q_offsets, kv_offsets, work.packed_5W,
@@ -201,11 +198,13 @@ def launch_forward(
 
 def launch_dq(
     grid, q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, config, descriptors=None,
 ):  # fmt: skip
-    """Launch the dQ kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; out and dout contiguous); it fills ``delta`` as well."""
+    """Launch the dQ kernel with the Triton launcher's arguments (q, k, v as
+    ``_rows_of_heads`` leaves them; out and dout contiguous), on ``config.dq``'s tiles; it
+    fills ``delta`` as well."""
     total_q, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = _launch_shape(config.dq)
     args = (
         q, row_descriptor(k, block_n, descriptors), row_descriptor(v, block_n, descriptors),
         out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork.packed_5W,
@@ -220,11 +219,12 @@ def launch_dq(
 
 def launch_dkdv(
     grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork,
-    *, scale, causal, block_m, block_n, num_warps, num_stages, descriptors=None,
+    *, scale, causal, config, descriptors=None,
 ):  # fmt: skip
-    """Launch the dK/dV kernel with ``triton.py``'s arguments (q, k, v as ``_rows_of_heads``
-    leaves them; dout contiguous)."""
+    """Launch the dK/dV kernel with the Triton launcher's arguments (q, k, v as
+    ``_rows_of_heads`` leaves them; dout contiguous), on ``config.dkdv``'s tiles."""
     total_q, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = _launch_shape(config.dkdv)
     args = (
         row_descriptor(q, block_m, descriptors), k, v, row_descriptor(dout, block_m, descriptors),
         lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets, kv_offsets, kwork.packed_5W,

@@ -121,8 +121,8 @@ def _jfa_dkdv_hopper_kernel(
             ahead < n_blocks,
         )  # fmt: skip
         # The block's log-sum-exp and δ travel with it, a step ahead, by cp.async: loaded from
-        # global memory in the step itself, they stalled the warps at their first use (the top
-        # stall site under Nsight Compute; J1's kernel 351 -> 340 us this way, 2026-12-01).
+        # global memory in the step itself, they stall the warps at their first use (the top
+        # stall site under Nsight Compute).
         copy_stats_async(
             lse_smem.index(ahead % NUM_STAGES), delta_smem.index(ahead % NUM_STAGES),
             lse_head, delta_head, q_lo + ahead * BLOCK_M,
@@ -160,9 +160,8 @@ def _jfa_dkdv_hopper_kernel(
         dp_NM = warpgroup_mma_wait(num_outstanding=1, deps=(dp_NM,))
 
         # Stage 4: dSᵀ and dK += dSᵀ Q; both accumulators settle before the ring slot is reused.
-        # δ is read here rather than with the log-sum-exp: ptxas spills nothing instead of 32
-        # bytes (Triton 3.6; 16 instead of 48 with 3.8), and J1's step ran 1.0-1.8% faster in
-        # 1 s loops (docs/performance.md, twentieth session).
+        # δ is read here rather than with the log-sum-exp: ptxas then spills nothing (loaded
+        # earlier, δ stays live across the MMAs and spills).
         delta_M = delta_smem.index(j % NUM_STAGES).load(stats_layout)
         ds_NM = p_NM * (dp_NM - delta_M[None, :])
         ds_lhs = gl.convert_layout(ds_NM.to(dtype), lhs_op_layout)
@@ -247,7 +246,7 @@ def _jfa_dq_hopper_kernel(
     copy_rows_async(q_landing, q_head, q_start, q_len, stride_q, copy_layout, BLOCK_M, HEAD_DIM)
     copy_rows_async(do_smem, do_head, q_start, q_len, stride_o, copy_layout, BLOCK_M, HEAD_DIM)
     # With a ring slot free, O comes along by cp.async and δ is summed from shared memory: O and
-    # dO loaded into registers stalled the warps here (J1's dQ 2-4% faster this way, 2026-12-01).
+    # dO loaded into registers stall the warps here.
     if IN_RING:
         o_landing = v_smem.index(NUM_STAGES - 1)
         o_head = out_TqNH + q_begin * stride_o + head * HEAD_DIM

@@ -1,4 +1,4 @@
-"""GDPA Triton kernels of the per-sequence schedule (cross-attention and PMA): no work list.
+"""GDPA kernels of the per-sequence schedule (cross-attention and PMA) and their launchers.
 
 Legend (shape suffixes): ``T`` tokens (``Tq`` queries, ``Tk`` keys), ``B`` sequences, ``N`` heads,
 ``H`` head dim, ``S`` PMA seeds, ``W`` work items (here: programs that own a bias-gradient row),
@@ -9,8 +9,9 @@ Grid ``(B, N, SPLIT)``: program ``(b, n, part)`` takes every ``SPLIT``-th tile o
 and derives everything else from its ids. Building a device work list costs dozens of tiny
 launches; for the short problems of cross-attention over candidates (64–256 keys, resident on
 chip while the queries stream past) and of PMA that costs more than the attention itself. The
-tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) are shared with the work-list kernels of
-``triton.py``, which dispatches here when ``GdpaTiles.cross_schedule == "per_sequence"``.
+tile bodies (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``) live in ``tiles.py``, shared with the
+work-list kernels of ``worklist_schedule.py``; ``triton.py`` sends every cross-attention and PMA
+call here.
 
 - forward: cross-attention writes each query tile once (keys that fit one tile stay on chip for
   the program); PMA sums a sequence's key parts into an fp32 output with atomics (each output
@@ -32,15 +33,14 @@ import triton.language as tl
 
 from gem_jagged._jit import jit
 
-from .triton import (
-    GdpaTiles,
+from .config import GdpaTiles, seed_block
+from .tiles import (
     _dkdv_tile,
     _dq_tile,
     _finish_bias_grad,
     _fwd_keys_on_chip,
     _fwd_tile,
     _load_rows,
-    _seed_block,
     _sequence,
 )
 
@@ -94,9 +94,9 @@ def _gdpa_fwd_seq_kernel(
     elif kv_len <= BLOCK_N:
         # Cross-attention over keys that fit one tile (candidates): the keys stay on chip for
         # the whole program and its query tiles part, part + SPLIT, ... stream past, their
-        # loads pipelined. (Through ``_fwd_tile`` each query tile reloaded the keys and waited
-        # for its own query load: one 85 µs kernel for J3's 116 MB.) A program past the
-        # sequence's last tile exits before loading the keys.
+        # loads pipelined, rather than each query tile reloading the keys through ``_fwd_tile``
+        # and waiting for its own query load. A program past the sequence's last tile exits
+        # before loading the keys.
         if part * BLOCK_M >= q_len:
             return
         offs_n = tl.arange(0, BLOCK_N)
@@ -297,7 +297,7 @@ def forward_per_sequence(
     split = _split(batch, num_heads, tiles)
     if broadcast_q:  # split key ranges add up in fp32
         out = torch.zeros(batch * num_seeds, num_heads, head_dim, device=q_TNH.device)
-        block_m = _seed_block(num_seeds)
+        block_m = seed_block(num_seeds)
     else:
         out = torch.empty(
             q_TNH.shape[0], num_heads, head_dim, device=q_TNH.device, dtype=q_TNH.dtype
@@ -332,7 +332,7 @@ def backward_per_sequence(
     atomic_kv = not broadcast_q and split > 1  # cross: query chunks add into fp32 dK/dV
     if broadcast_q:
         dq = torch.zeros(q_TNH.shape, device=device, dtype=torch.float32)
-        block_m = _seed_block(num_seeds)
+        block_m = seed_block(num_seeds)
     else:
         dq = torch.empty_like(q_TNH)
         block_m = tiles.dkdv_m
