@@ -354,3 +354,21 @@ def test_launch_shapes_are_arguments_and_change_no_byte():
     assert torch.equal(data, bits(ref_data)) and torch.equal(scale, ref_scale)
     with pytest.raises(ValueError):
         Launch(shapes="tpu")
+
+
+def test_a_bool_axis_is_refused():
+    # True is an int to Python and once quantized along axis 1
+    with pytest.raises(TypeError, match="axis must be an int, got True"):
+        to_mx(torch.ones(32, 32), axis=True)
+
+
+@pytest.mark.parametrize("seed", [2**32, -1, True, 1.0])
+def test_out_of_range_seeds_are_refused_naming_the_range(seed):
+    # 2**32 once wrapped silently to seed 0
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*32 - 1\]"):
+        to_mx(torch.ones(4, 32), rounding="stochastic", seed=seed)
+
+
+def test_a_seed_with_nearest_rounding_is_refused():
+    with pytest.raises(ValueError, match='seed only makes sense with rounding="stochastic"'):
+        to_mx(torch.ones(4, 32), seed=3)

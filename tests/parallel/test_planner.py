@@ -171,3 +171,56 @@ def test_package_exports_load_lazily():
     } <= set(dir(gem_parallel))
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         gem_parallel.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "field", ["dense_params", "sparse_params", "activation_bytes_per_token", "d_model"]
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_model_sizes_are_named(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number >= 0"):
+        dataclasses.replace(GEM_LARGE, **{field: value})
+
+
+def _timed_plan(topology, spec, **kwargs):
+    start = time.perf_counter()
+    try:
+        return plan(topology, spec, **kwargs)
+    finally:
+        assert time.perf_counter() - start < 2.0
+
+
+def test_fits_nowhere_is_answered_in_seconds_on_wide_zones():
+    # 16384 hosts per zone: the search for the smallest cluster that fits once costed every size
+    # (up to 4096 zones) before answering; the memory floor skips the sizes that cannot fit
+    topo = Topology(8, gpus_per_host=8, hosts_per_zone=16384, gpu_memory_bytes=5e9)
+    with pytest.raises(
+        ValueError, match=r"fits nowhere on 8 GPUs.*Smallest change that fits: --gpus 2304\b"
+    ):
+        _timed_plan(topo, GEM_LARGE)
+
+
+def test_a_model_that_fits_on_no_cluster_says_so_in_seconds():
+    # the activations alone exceed a GPU: no number of GPUs helps, only more memory per GPU
+    spec = dataclasses.replace(GEM_LARGE, activation_bytes_per_token=1e9)
+    with pytest.raises(ValueError, match="fits on no number of GPUs.*activations"):
+        _timed_plan(Topology(16384, gpus_per_host=8, hosts_per_zone=16384), spec)
+
+
+def test_fits_nowhere_still_names_the_smallest_cluster():
+    with pytest.raises(ValueError, match=r"Smallest change that fits: --gpus 24\b"):
+        _timed_plan(Topology(8, gpus_per_host=8, hosts_per_zone=16), GEM_LARGE)
+
+
+def test_search_is_capped_and_names_the_pins_that_shrink_it():
+    # 480480 = 2^5·3·5·7·11·13 GPUs: 640 dense x 382 sparse halves, 244480 candidate plans
+    topo = Topology(480480, gpus_per_host=8, hosts_per_zone=60060)
+    with pytest.raises(ValueError, match=r"244480 candidate plans.*pin sparse_replicas"):
+        _timed_plan(topo, GEM_LARGE)
+    pinned = _timed_plan(topo, GEM_LARGE, sparse_replicas=390, explain=False)
+    assert pinned.layout.sparse_replicas == 390
+
+
+def test_two_to_the_27_gpus_plan_in_seconds():
+    topo = Topology(2**27, gpus_per_host=8, hosts_per_zone=2**10)
+    assert _timed_plan(topo, GEM_LARGE).layout.world == 2**27

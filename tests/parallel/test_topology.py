@@ -70,3 +70,50 @@ def test_detect_reads_torchrun_environment():
     topo = Topology.detect(environ=environ, gpu_memory_bytes=80e9)
     assert (topo.num_gpus, topo.gpus_per_host, topo.hosts_per_zone, topo.num_zones) == (32, 8, 2, 2)
     assert topo.gpu_memory_bytes == 80e9
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "bandwidth, latency, field",
+    [
+        (NAN, 1e-6, "bandwidth"),
+        (INF, 1e-6, "bandwidth"),
+        (-1.0, 1e-6, "bandwidth"),
+        (1e9, NAN, "latency"),
+        (1e9, INF, "latency"),
+        (1e9, -1e-6, "latency"),
+    ],
+)
+def test_non_finite_or_negative_tier_values_are_refused(bandwidth, latency, field):
+    with pytest.raises(ValueError, match=f"tier 'roce': {field} must be"):
+        Tier("roce", bandwidth, latency)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("oversubscription", NAN),
+        ("oversubscription", INF),
+        ("cross_zone_latency", NAN),
+        ("cross_zone_latency", -1e-6),
+        ("message_overhead", INF),
+        ("message_overhead", -1.0),
+        ("gpu_memory_bytes", NAN),
+        ("gpu_memory_bytes", 0.0),
+        ("gpu_memory_bytes", -1.0),
+        ("gpu_memory_bytes", INF),
+        ("gpu_flops", 0.0),
+        ("gpu_flops", NAN),
+        ("achieved_flops_fraction", 0.0),
+        ("achieved_flops_fraction", NAN),
+        ("achieved_flops_fraction", 1.5),
+        ("memory_headroom", NAN),
+        ("num_gpus", True),
+        ("num_sms", 2.0),
+    ],
+)
+def test_non_finite_or_out_of_range_topology_fields_are_named(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        Topology(**{"num_gpus": 8, field: value})

@@ -17,6 +17,7 @@ whose keys are this dataclass's fields (``ModelSpec.from_file``), or from a name
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ class ModelSpec:
     ``embedding_dim``, ``num_sparse_features``; per GPU and step: ``samples_per_gpu``,
     ``tokens_per_gpu``, ``activation_bytes_per_token``; bytes: optimizer state per dense
     parameter, dense weights on the wire, gradient reduction, per sparse value, per activation
-    value. ``ValueError`` for a negative or non-numeric field, a zero count that must be ≥ 1, or
+    value. ``ValueError`` for a negative, NaN, infinite or non-numeric field, a zero count that must be ≥ 1, or
     inconsistent experts.
     """
 
@@ -60,8 +61,15 @@ class ModelSpec:
             if f.name == "name":
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"name must be a non-empty string, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{f.name} must be a number >= 0, got {value!r}")
+            elif (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                # NaN passes every comparison test as false, so finiteness is checked first: a
+                # NaN size would make every plan's memory NaN and none of them fit.
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {value!r}")
         for positive in ("num_layers", "d_model", "top_k", "samples_per_gpu", "tokens_per_gpu"):
             if getattr(self, positive) < 1:
                 raise ValueError(f"{positive} must be >= 1, got {getattr(self, positive)}")

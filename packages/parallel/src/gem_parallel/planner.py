@@ -13,6 +13,15 @@ gathers, overlap compute (prefetched), while the MoE token all-to-alls and the p
 all-to-alls sit on the critical path. Among the plans that fit in GPU memory the fastest wins.
 For 16,384 GPUs that is a few thousand combinations: well under a second.
 
+The search is bounded. Memory adds up over the halves, so the leanest dense half plus the
+leanest sparse half is the least memory any plan needs: "fits nowhere" is answered from the
+halves alone, before any pair is costed. A world with many divisors (480,480 GPUs has 160) would
+pair hundreds of thousands of halves, so more than ``MAX_CANDIDATE_PLANS`` pairs are refused
+with the fields to pin. The "smallest cluster that fits" hint skips every size below a lower
+bound of memory per GPU (``memory_floor``: what no sharding shrinks, plus the sharded state over
+all GPUs) and costs at most ``MAX_WORLD_PROBES`` sizes from there; when the unshrinkable part
+alone exceeds a GPU, no cluster size is tried and the message says only more memory helps.
+
 The per-step costs and memory of a candidate are in :mod:`gem_parallel.step_cost`.
 
 Afterwards the plan is checked against GEM's rules (EP and sparse replicas inside a host, FSDP
@@ -22,6 +31,7 @@ term of the step time that differs most says why.
 """
 
 import dataclasses
+import itertools
 import math
 
 from gem_parallel.cost_model import CostModel
@@ -30,16 +40,25 @@ from gem_parallel.model_spec import ModelSpec
 from gem_parallel.rules import explain_rules
 from gem_parallel.step_cost import (
     SPARSE_MODES,
+    Half,
     Plan,
     PlannerConfig,
     combine,
     dense_half,
     fastest_fitting,
+    memory_floor,
     sparse_half,
 )
 from gem_parallel.topology import Topology
 
-__all__ = ["Plan", "PlannerConfig", "fastest_fitting", "plan"]
+__all__ = ["MAX_CANDIDATE_PLANS", "Plan", "PlannerConfig", "fastest_fitting", "plan"]
+
+# Pairs of halves one search may cost (about 30 µs each on a CPU, so ~1.5 s at the cap); a
+# world with more pins a field instead.
+MAX_CANDIDATE_PLANS = 50_000
+# Cluster sizes the "smallest cluster that fits" hint costs, from the first its memory floor
+# allows.
+MAX_WORLD_PROBES = 64
 
 # ------------------------------------------------------------------------------------------
 # search
@@ -115,21 +134,47 @@ def _candidates(topology, spec, cfg, fixed):
     return model, dense, sparse
 
 
-def _all_plans(topology, spec, cfg, fixed) -> list[Plan]:
-    model, dense, sparse = _candidates(topology, spec, cfg, fixed)
-    return [combine(model, spec, cfg, d, s) for d in dense for s in sparse]
+def _check_search_size(topology, dense, sparse, fixed) -> None:
+    """Refuse a search of more than ``MAX_CANDIDATE_PLANS`` pairs, naming the pins that shrink
+    it: a world with many divisors (480480 GPUs has 160) multiplies into hundreds of thousands."""
+    count = len(dense) * len(sparse)
+    if count <= MAX_CANDIDATE_PLANS:
+        return
+    free = [k for k in ("sparse_replicas", "dp_shard", "ep") if k not in fixed]
+    raise ValueError(
+        f"{topology.num_gpus} GPUs give {len(dense)} dense x {len(sparse)} sparse halves = "
+        f"{count} candidate plans, over the search cap of {MAX_CANDIDATE_PLANS}: pin "
+        f"{' or '.join(free) or 'fewer free fields'} to search fewer"
+    )
+
+
+def _leanest(halves: list[Half]) -> Half:
+    return min(halves, key=lambda h: sum(h.memory.values()))
 
 
 def _smallest_fitting_world(topology: Topology, spec: ModelSpec, cfg: PlannerConfig) -> int | None:
-    """The fewest GPUs (whole hosts, then whole zones) on which the model fits at all."""
-    sizes = list(range(topology.gpus_per_host, topology.gpus_per_zone + 1, topology.gpus_per_host))
-    sizes += [topology.gpus_per_zone * z for z in range(2, 4097)]
-    for n in sizes:
-        if n <= topology.num_gpus:
-            continue
+    """The fewest GPUs (whole hosts, then whole zones, up to 4096 zones) on which the most
+    sharded plan fits, or None.
+
+    Sizes below the memory floor's bound (``memory_floor``) cannot fit and are skipped without
+    costing; from the first size the bound allows, at most ``MAX_WORLD_PROBES`` are costed."""
+    fixed, sharded = memory_floor(spec)
+    room = topology.usable_memory_bytes - sum(fixed.values())
+    if room <= 0:
+        return None
+    least = max(topology.num_gpus + 1, math.ceil(sharded / room))
+    host, zone = topology.gpus_per_host, topology.gpus_per_zone
+    first_host = max(host, -(-least // host) * host)
+    sizes = itertools.chain(
+        range(first_host, zone + 1, host),
+        (zone * z for z in range(max(2, -(-least // zone)), 4097)),
+    )
+    for n in itertools.islice(sizes, MAX_WORLD_PROBES):
         t = dataclasses.replace(topology, num_gpus=n)
         model = CostModel(t)
-        ep = max(d for d in divisors(n) if not spec.num_experts or spec.num_experts % d == 0)
+        # the largest expert parallelism on n GPUs: every divisor of the experts' count that
+        # divides n divides their gcd
+        ep = math.gcd(n, spec.num_experts) if spec.num_experts else n
         p = combine(
             model,
             spec,
@@ -157,12 +202,23 @@ def _distance(layout: MeshLayout, fixed: dict) -> tuple[int, float]:
     return changed, ratio
 
 
-def _fits_nowhere(topology, spec, cfg, fixed, smallest: Plan) -> ValueError:
-    need, have = smallest.memory_bytes, topology.usable_memory_bytes
+def _fits_nowhere(model, spec, cfg, fixed, dense, sparse) -> ValueError:
+    topology = model.topology
+    have = topology.usable_memory_bytes
+    floor, _ = memory_floor(spec)
+    if sum(floor.values()) >= have:
+        worst = max(floor, key=floor.get)
+        return ValueError(
+            f"{spec.name} fits on no number of GPUs: the parts that no sharding shrinks need "
+            f"{_gb(sum(floor.values()))} per GPU (largest part: {worst} {_gb(floor[worst])}) but "
+            f"{_gb(have)} is usable. Smallest change that fits: GPUs with more than "
+            f"{_gb(sum(floor.values()) / topology.memory_headroom)} of memory"
+        )
+    smallest = combine(model, spec, cfg, _leanest(dense), _leanest(sparse))
+    need = smallest.memory_bytes
     if fixed:
-        fitting = [p for p in _all_plans(topology, spec, cfg, {}) if p.memory_bytes <= have]
-        if fitting:
-            nearest = min(fitting, key=lambda p: _distance(p.layout, fixed))
+        nearest = _nearest_fitting(model, spec, cfg, fixed)
+        if nearest is not None:
             changes = ", ".join(
                 f"{k}={getattr(nearest.layout, k)}"
                 for k in fixed
@@ -182,6 +238,23 @@ def _fits_nowhere(topology, spec, cfg, fixed, smallest: Plan) -> ValueError:
         f"{_gb(have)} is usable. Smallest change that fits: {hint}, or GPUs with "
         f"{_gb(need / topology.memory_headroom)} of memory"
     )
+
+
+def _nearest_fitting(model, spec, cfg, fixed) -> Plan | None:
+    """The unpinned plan that fits and is nearest the pins (``_distance``), or None.
+
+    Halves that cannot fit with the leanest other half are dropped before pairing; when the
+    pairs left still exceed ``MAX_CANDIDATE_PLANS``, None (the message then says no more)."""
+    _, dense, sparse = _candidates(model.topology, spec, cfg, {})
+    have = model.topology.usable_memory_bytes
+    d_min, s_min = (sum(_leanest(h).memory.values()) for h in (dense, sparse))
+    dense = [d for d in dense if sum(d.memory.values()) + s_min <= have]
+    sparse = [s for s in sparse if sum(s.memory.values()) + d_min <= have]
+    if len(dense) * len(sparse) > MAX_CANDIDATE_PLANS:
+        return None
+    plans = [combine(model, spec, cfg, d, s) for d in dense for s in sparse]
+    fitting = [p for p in plans if p.memory_bytes <= have]
+    return min(fitting, key=lambda p: _distance(p.layout, fixed)) if fitting else None
 
 
 def plan(
@@ -212,7 +285,9 @@ def plan(
         ValueError: an unknown sparse mode or ``sparse_inner``; a pinned value that does not
             divide the world, contradicts another or the model (``ep`` with no experts); or no
             plan fits, in which case the message names the smallest change that would (a pinned
-            value, more GPUs, or GPUs with more memory).
+            value, more GPUs, or GPUs with more memory; "fits on no number of GPUs" when the
+            parts no sharding shrinks exceed a GPU); or the search would cost more than
+            ``MAX_CANDIDATE_PLANS`` pairs, in which case the message names the fields to pin.
     """
     config = config or PlannerConfig()
     if config.sparse_mode not in SPARSE_MODES:
@@ -231,11 +306,17 @@ def plan(
         if v is not None
     }
     _check_request(topology, spec, fixed)
-    plans = _all_plans(topology, spec, config, fixed)
+    model, dense, sparse = _candidates(topology, spec, config, fixed)
+    # Memory adds up over the halves, so the leanest pair answers "fits nowhere" before any
+    # pair is costed.
+    leanest = sum(_leanest(dense).memory.values()) + sum(_leanest(sparse).memory.values())
+    if not leanest <= topology.usable_memory_bytes:
+        raise _fits_nowhere(model, spec, config, fixed, dense, sparse)
+    _check_search_size(topology, dense, sparse, fixed)
+    plans = [combine(model, spec, config, d, s) for d in dense for s in sparse]
     best = fastest_fitting(plans)
-    if best is None:
-        smallest = min(plans, key=lambda p: p.memory_bytes)
-        raise _fits_nowhere(topology, spec, config, fixed, smallest)
+    if best is None:  # the halves' sum and the plan's sum differ in the last bit
+        raise _fits_nowhere(model, spec, config, fixed, dense, sparse)
     best.candidates = len(plans)
     if explain:
         best.rules = explain_rules(best, plans)

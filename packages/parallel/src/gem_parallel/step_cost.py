@@ -360,3 +360,40 @@ def combine(model, spec, cfg, dense: Half, sparse: Half) -> Plan:
     return Plan(
         model.topology, spec, layout, cfg, collectives, memory, compute, overlapped, exposed, step
     )
+
+
+def memory_floor(spec: ModelSpec) -> tuple[dict[str, float], float]:
+    """A lower bound of any plan's memory per GPU on any number of GPUs, in two parts.
+
+    Returns:
+        ``(fixed, sharded)``: ``fixed`` holds the parts (bytes, by the names ``dense_half`` and
+        ``sparse_half`` give them) that no layout shrinks below these values: gathered layers,
+        activations, MoE and embedding exchange buffers; ``sharded`` is the bytes that shard
+        at best over all ``world`` GPUs (dense and expert state, embeddings). Every plan on
+        ``world`` GPUs needs at least ``sum(fixed.values()) + sharded / world``: dense state
+        shards over ``dp_shard <= world``, expert state over ``ep · edp_shard <= world``, an
+        embedding shard over ``sparse_mp · sparse_replicas = world`` at best, and a rank holds
+        at least one expert per MoE layer (``ep <= num_experts``).
+    """
+    wb, gb = spec.dense_compute_bytes, spec.grad_reduce_bytes
+    fixed = {
+        "dense gathered layers": spec.dense_params / spec.num_layers * (2 * wb + gb),
+        "activations": spec.tokens_per_gpu * spec.activation_bytes_per_token,
+    }
+    sharded = (spec.dense_params + spec.expert_params) * spec.dense_state_bytes_per_param
+    if spec.num_experts:
+        tokens_bytes = (
+            spec.tokens_per_gpu * spec.top_k * spec.d_model * spec.activation_compute_bytes
+        )
+        fixed["expert gathered layers"] = spec.params_per_expert * (2 * wb + gb)
+        fixed["moe dispatch buffers"] = 4 * tokens_bytes
+    if spec.sparse_params:
+        pooled = (
+            spec.samples_per_gpu
+            * spec.num_sparse_features
+            * spec.embedding_dim
+            * spec.activation_compute_bytes
+        )
+        fixed["embedding all-to-all buffers"] = 2 * pooled
+        sharded += spec.sparse_params * spec.sparse_bytes_per_param
+    return fixed, sharded

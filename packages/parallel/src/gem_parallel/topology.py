@@ -20,6 +20,7 @@ Latencies are per ring step in seconds; an all-to-all posts all its messages at 
 with NVLink 4 and 400 Gb/s RoCE NICs; override them with measured values.
 """
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,21 +28,36 @@ from dataclasses import dataclass, field
 TIER_NAMES = ("nvlink", "roce", "cross_zone")
 
 
+def _is_real(value) -> bool:
+    """A finite int or float that is not a bool (``True`` is an int to Python, not a size)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class Tier:
-    """One network tier: per-GPU bus bandwidth (bytes/s) and per-step latency (s)."""
+    """One network tier: per-GPU bus bandwidth (bytes/s) and per-step latency (s).
+
+    Raises:
+        ValueError: a bandwidth that is not a finite number > 0 or a latency that is not a
+            finite number >= 0 (the message names the tier and the field).
+    """
 
     name: str
     bandwidth: float
     latency: float
 
     def __post_init__(self):
-        if self.bandwidth <= 0:
+        # NaN compares false with everything, so each bound is checked together with finiteness:
+        # a NaN bandwidth would otherwise cost every collective NaN seconds.
+        if not _is_real(self.bandwidth) or self.bandwidth <= 0:
             raise ValueError(
-                f"tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}"
+                f"tier {self.name!r}: bandwidth must be a finite number > 0 bytes/s, "
+                f"got {self.bandwidth!r}"
             )
-        if self.latency < 0:
-            raise ValueError(f"tier {self.name!r}: latency must be >= 0 s, got {self.latency}")
+        if not _is_real(self.latency) or self.latency < 0:
+            raise ValueError(
+                f"tier {self.name!r}: latency must be a finite number >= 0 s, got {self.latency!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,12 @@ class Topology:
     ``num_gpus`` must be a multiple of ``gpus_per_host``; when it spans more than one zone it must
     be a multiple of a zone. The cross-zone tier's bandwidth is ``roce.bandwidth /
     oversubscription`` unless given explicitly.
+
+    Raises:
+        ValueError: naming the field, for a count that is not a positive integer (bools
+            included), a NaN, infinite or out-of-range number (``oversubscription`` < 1, a
+            negative latency or overhead, ``gpu_memory_bytes`` or ``gpu_flops`` <= 0, a
+            fraction outside (0, 1]), or a shape whose hosts or zones do not divide it.
     """
 
     num_gpus: int
@@ -113,8 +135,23 @@ class Topology:
     def __post_init__(self):
         for name in ("num_gpus", "gpus_per_host", "hosts_per_zone", "num_sms"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, low, inclusive in (
+            ("oversubscription", 1.0, True),
+            ("cross_zone_latency", 0.0, True),
+            ("message_overhead", 0.0, True),
+            ("gpu_memory_bytes", 0.0, False),
+            ("gpu_flops", 0.0, False),
+        ):
+            value = getattr(self, name)
+            if not _is_real(value) or value < low or (not inclusive and value == low):
+                bound = f">= {low:g}" if inclusive else f"> {low:g}"
+                raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+        for name in ("memory_headroom", "achieved_flops_fraction"):
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         if self.num_gpus % self.gpus_per_host:
             lower = max(
                 self.gpus_per_host, self.num_gpus // self.gpus_per_host * self.gpus_per_host
@@ -137,10 +174,6 @@ class Topology:
                 f"(hosts_per_zone={self.hosts_per_zone}) but is not a whole number of zones: "
                 f"use num_gpus={lower} or {upper}"
             )
-        if self.oversubscription < 1:
-            raise ValueError(f"oversubscription must be >= 1, got {self.oversubscription}")
-        if not 0 < self.memory_headroom <= 1:
-            raise ValueError(f"memory_headroom must be in (0, 1], got {self.memory_headroom}")
 
     # -- shape -------------------------------------------------------------------------------
     @property

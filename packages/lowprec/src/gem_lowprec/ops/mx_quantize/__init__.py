@@ -43,12 +43,23 @@ __all__ = [
 
 
 def _seed_for(rounding: str, seed: int | None) -> int:
+    """The kernel's seed: -1 for nearest rounding, else a 32-bit seed.
+
+    The hash keys on ``seed mod 2**32``, so a larger seed would silently repeat a smaller one's
+    noise; a bool is not a seed, and a seed with nearest rounding would be ignored."""
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32
+    ):
+        raise ValueError(f"seed must be an int in [0, 2**32 - 1], got {seed!r}")
     if rounding == "nearest":
+        if seed is not None:
+            raise ValueError(
+                f'seed only makes sense with rounding="stochastic", got seed={seed} with '
+                f'rounding="nearest"'
+            )
         return -1
     if seed is None:
         return int(torch.randint(0, 2**31 - 1, ()).item())
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     return seed
 
 
@@ -96,8 +107,8 @@ def to_mx(
         rounding: ``"nearest"`` (round-half-even) or ``"stochastic"``.
         backend: ``"auto"`` (Triton on CUDA tensors, the reference on CPU tensors),
             ``"triton"`` or ``"reference"``.
-        seed: the stochastic-rounding seed (a non-negative int; None draws one from torch's
-            default generator). The same seed gives the same bytes on every backend.
+        seed: the stochastic-rounding seed (an int in [0, 2**32 - 1], only with
+            ``rounding="stochastic"``; None draws one from torch's default generator). The same seed gives the same bytes on every backend.
         tiles: the Triton launch shape (``triton.RowsTiles`` for the last axis of any tensor,
             ``triton.RowColTiles`` for axis 0 of a matrix); None for the device's default. It
             changes the speed, never the bytes.
@@ -108,11 +119,14 @@ def to_mx(
         ``axis``, layout ``MXLayout("1x32", axis=axis)``.
 
     Raises:
-        TypeError: x is not a tensor of a float dtype above, or ``elem_dtype`` is not fp8.
+        TypeError: x is not a tensor of a float dtype above, ``elem_dtype`` is not fp8, or
+            ``axis`` is not an int (a bool included).
         ValueError: a bad option, axis out of range, ``x.shape[axis]`` not a multiple of 32,
-            or a negative seed.
+            a seed outside [0, 2**32 - 1], or a seed with ``rounding="nearest"``.
     """
     fmt, backend = _common_checks(x, elem_dtype, block_size, scale_mode, rounding, backend)
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int, got {axis!r}")
     if not -x.dim() <= axis < x.dim():
         raise ValueError(
             f"axis must be in [{-x.dim()}, {x.dim() - 1}] for x of shape {tuple(x.shape)}, got {axis}"
