@@ -19,7 +19,6 @@ to something else. ``*.partial`` folders (a save interrupted by a crash) are nev
 After each save the newest ``checkpoint.keep`` checkpoints are kept and older ones deleted.
 """
 
-import hashlib
 import io
 import json
 import re
@@ -34,7 +33,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-MANIFEST = "manifest.json"
+from gem_train.checkpoint_checks import (
+    MANIFEST,
+    CheckpointError,
+    MetadataReader,
+    load_metadata,
+    sha256_of,
+    verify,
+)
+
+__all__ = ["MANIFEST", "CheckpointError", "Checkpointer", "list_checkpoints", "verify"]
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -74,10 +83,6 @@ def _as_local(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
                 state[key] = value.to_local()
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is partial, corrupted or does not fit this run."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -85,14 +90,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def rng_state() -> dict:
@@ -114,39 +111,6 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted(p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-
-
-def verify(path: str | Path) -> dict:
-    """The manifest of a complete, intact checkpoint; ``CheckpointError`` naming what is wrong."""
-    path = Path(path)
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} is partial: it has no {MANIFEST}, so its save never finished; "
-            "refusing to load it (delete the folder or resume from another checkpoint)"
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupted: unreadable {MANIFEST} ({exc})"
-        ) from None
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is partial: file {name} is missing")
-        size = file.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} has {size} bytes, "
-                f"the manifest says {expected['size']}"
-            )
-        if _sha256(file) != expected["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} does not match its SHA-256 in {MANIFEST}"
-            )
-    return manifest
 
 
 class Checkpointer:
@@ -171,7 +135,7 @@ class Checkpointer:
         _barrier()
         if _rank() == 0:
             files = {
-                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
                 for p in sorted(partial.iterdir())
                 if p.is_file()
             }
@@ -202,11 +166,12 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sharded = _row_sharded(model)
         _as_global(model_sd, optim_sd, sharded)
+        load_metadata(path / ".metadata")  # refuses a tampered pickle before DCP reads it
         buffer = io.BytesIO()
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=MetadataReader(str(path)))
         _as_local(state["model"], state["optim"], sharded)
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
