@@ -65,22 +65,30 @@ def _row_sharded(model) -> dict[str, DeviceMesh]:
 
 def _as_global(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
     """View each rank's row block as a row-sharded DTensor, so DCP saves every rank's rows (a
-    plain tensor would be taken for a replica and saved once)."""
+    plain tensor would be taken for a replica and saved once).
+
+    The per-parameter optimizer state dicts that ``get_state_dict`` returns can be the
+    optimizer's own live dicts, so each is replaced by a new dict rather than edited: writing
+    DTensors into the live state would make the next optimizer step mix Tensor and DTensor."""
     for fqn, mesh in sharded.items():
         model_sd[fqn] = DTensor.from_local(model_sd[fqn], mesh, [Shard(0)], run_check=False)
-        state = optim_sd["state"].get(fqn, {})
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+        if fqn in optim_sd["state"]:
+            optim_sd["state"][fqn] = {
+                key: DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in optim_sd["state"][fqn].items()
+            }
 
 
 def _as_local(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
     for fqn in sharded:
         model_sd[fqn] = model_sd[fqn].to_local()
-        state = optim_sd["state"].get(fqn, {})
-        for key, value in state.items():
-            if isinstance(value, DTensor):
-                state[key] = value.to_local()
+        if fqn in optim_sd["state"]:
+            optim_sd["state"][fqn] = {
+                key: value.to_local() if isinstance(value, DTensor) else value
+                for key, value in optim_sd["state"][fqn].items()
+            }
 
 
 def _rank() -> int:
