@@ -21,7 +21,6 @@ After each save the newest ``checkpoint.keep`` checkpoints are kept and older on
 
 import io
 import json
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -35,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from gem_train.checkpoint_checks import (
     MANIFEST,
+    STEP_DIR,
     CheckpointError,
     MetadataReader,
     load_metadata,
@@ -43,8 +43,6 @@ from gem_train.checkpoint_checks import (
 )
 
 __all__ = ["MANIFEST", "CheckpointError", "Checkpointer", "list_checkpoints", "verify"]
-
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 def _row_sharded(model) -> dict[str, DeviceMesh]:
@@ -118,7 +116,7 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
 
 
 class Checkpointer:

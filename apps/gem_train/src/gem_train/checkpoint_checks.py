@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 # Every global a DCP metadata pickle refers to: its own dataclasses and enum, the tensor
 # properties' dtypes, layouts and sizes, and the checkpoint id (a path).
@@ -63,7 +65,8 @@ def verify(path: str | Path) -> dict:
 
     Raises:
         CheckpointError: the folder has no manifest (its save never finished), the manifest is
-            unreadable or lists no files, a listed file is missing or differs in size or SHA-256.
+            unreadable or lists no files, its step is not the one in the folder's name
+            (``step_<n>``), or a listed file is missing or differs in size or SHA-256.
     """
     path = Path(path)
     manifest_path = path / MANIFEST
@@ -80,6 +83,17 @@ def verify(path: str | Path) -> dict:
         raise CheckpointError(
             f"checkpoint {path} is corrupted: unreadable {MANIFEST} ({exc!r})"
         ) from None
+    if not sizes:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: its {MANIFEST} lists no files, so it vouches for "
+            "nothing; refusing to load it"
+        )
+    named = STEP_DIR.match(path.name)
+    if named and manifest.get("step") != int(named.group(1)):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: the folder is named for step {int(named.group(1))} "
+            f"but its {MANIFEST} says step {manifest.get('step')}"
+        )
     for name, (expected_size, expected_sha) in sizes.items():
         file = path / name
         if not file.is_file():
