@@ -19,10 +19,8 @@ to something else. ``*.partial`` folders (a save interrupted by a crash) are nev
 After each save the newest ``checkpoint.keep`` checkpoints are kept and older ones deleted.
 """
 
-import hashlib
 import io
 import json
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -34,8 +32,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+from gem_train.checkpoint_checks import (
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    MetadataReader,
+    load_metadata,
+    sha256_of,
+    verify,
+)
+
+__all__ = ["MANIFEST", "CheckpointError", "Checkpointer", "list_checkpoints", "verify"]
 
 
 def _row_sharded(model) -> dict[str, DeviceMesh]:
@@ -56,26 +63,30 @@ def _row_sharded(model) -> dict[str, DeviceMesh]:
 
 def _as_global(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
     """View each rank's row block as a row-sharded DTensor, so DCP saves every rank's rows (a
-    plain tensor would be taken for a replica and saved once)."""
+    plain tensor would be taken for a replica and saved once).
+
+    The per-parameter optimizer state dicts that ``get_state_dict`` returns can be the
+    optimizer's own live dicts, so each is replaced by a new dict rather than edited: writing
+    DTensors into the live state would make the next optimizer step mix Tensor and DTensor."""
     for fqn, mesh in sharded.items():
         model_sd[fqn] = DTensor.from_local(model_sd[fqn], mesh, [Shard(0)], run_check=False)
-        state = optim_sd["state"].get(fqn, {})
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+        if fqn in optim_sd["state"]:
+            optim_sd["state"][fqn] = {
+                key: DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in optim_sd["state"][fqn].items()
+            }
 
 
 def _as_local(model_sd: dict, optim_sd: dict, sharded: dict) -> None:
     for fqn in sharded:
         model_sd[fqn] = model_sd[fqn].to_local()
-        state = optim_sd["state"].get(fqn, {})
-        for key, value in state.items():
-            if isinstance(value, DTensor):
-                state[key] = value.to_local()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is partial, corrupted or does not fit this run."""
+        if fqn in optim_sd["state"]:
+            optim_sd["state"][fqn] = {
+                key: value.to_local() if isinstance(value, DTensor) else value
+                for key, value in optim_sd["state"][fqn].items()
+            }
 
 
 def _rank() -> int:
@@ -85,14 +96,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def rng_state() -> dict:
@@ -113,40 +116,7 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-
-
-def verify(path: str | Path) -> dict:
-    """The manifest of a complete, intact checkpoint; ``CheckpointError`` naming what is wrong."""
-    path = Path(path)
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} is partial: it has no {MANIFEST}, so its save never finished; "
-            "refusing to load it (delete the folder or resume from another checkpoint)"
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupted: unreadable {MANIFEST} ({exc})"
-        ) from None
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is partial: file {name} is missing")
-        size = file.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} has {size} bytes, "
-                f"the manifest says {expected['size']}"
-            )
-        if _sha256(file) != expected["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} does not match its SHA-256 in {MANIFEST}"
-            )
-    return manifest
+    return sorted(p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
 
 
 class Checkpointer:
@@ -171,7 +141,7 @@ class Checkpointer:
         _barrier()
         if _rank() == 0:
             files = {
-                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
                 for p in sorted(partial.iterdir())
                 if p.is_file()
             }
@@ -202,11 +172,12 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sharded = _row_sharded(model)
         _as_global(model_sd, optim_sd, sharded)
+        load_metadata(path / ".metadata")  # refuses a tampered pickle before DCP reads it
         buffer = io.BytesIO()
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=MetadataReader(str(path)))
         _as_local(state["model"], state["optim"], sharded)
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
