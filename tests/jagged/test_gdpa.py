@@ -352,7 +352,7 @@ BAD_INPUTS = {
     ),
     "cross batch mismatch": (
         dict(kv_offsets=lambda o: torch.tensor([0, 8])),
-        "kv_offsets has 1 sequences but offsets has 3; they must match",
+        "kv_offsets has 1 sequences but q_offsets has 3; they must match",
     ),
     "rel_bias shape": (dict(rel_bias=torch.zeros(2, 4)), "rel_bias must have shape"),
     "backend": (dict(backend="cuda"), "backend must be one of"),

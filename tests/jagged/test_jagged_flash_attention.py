@@ -468,7 +468,11 @@ def _bad_inputs():
         (dict(q_offsets=q_off[None]), ValueError, "q_offsets must be 1-D"),
         (dict(q_offsets=torch.tensor([1, 3, 7])), ValueError, r"q_offsets\[0\] must be 0"),
         (dict(q_offsets=torch.tensor([0, 5, 4, 7])), ValueError, "non-decreasing"),
-        (dict(q_offsets=torch.tensor([0, 3, 6])), ValueError, "must equal the number of tokens 7"),
+        (
+            dict(q_offsets=torch.tensor([0, 3, 6])),
+            ValueError,
+            r"must equal the number of tokens of q \(7\)",
+        ),
         (dict(q_offsets=q_off.float()), TypeError, "int32 or int64"),
         (dict(k=k.half()), TypeError, "k has dtype torch.float16"),
         (dict(v=v[:, :1]), ValueError, "k and v must have the same shape"),

@@ -21,6 +21,7 @@ from gem_train.checkpoint import Checkpointer
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import TrainBatches
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
+from gem_train.finite import FiniteGuard
 from gem_train.model import GemModel
 from gem_train.optimizations import apply_optimizations
 
@@ -38,6 +39,7 @@ class Run:
     checkpointer: Checkpointer | None
     notes: list[str]
     fused_optimizers: list[RowwiseAdagrad]  # embedding tables that update in their backward
+    guard: FiniteGuard  # the non-finite loss and gradient check of every step
 
     def autocast(self):
         if self.cfg.lowprec.autocast_bf16:
@@ -208,7 +210,8 @@ def build_run(cfg: TrainConfig) -> Run:
         else None
     )
     torch.manual_seed(cfg.seed + 1 + rank)  # the training stream of random numbers, per rank
+    guard = FiniteGuard(cfg, device=device, world=world)
     return Run(
         cfg, device, rank, world, model, optimizer, batches, eval_source, checkpointer, notes,
-        fused_optimizers,
+        fused_optimizers, guard,
     )  # fmt: skip

@@ -75,6 +75,16 @@ class Reporter:
         )
         return progress
 
+    def close(self) -> None:
+        """Stop the progress bar and flush and close the TensorBoard writer; idempotent, so a
+        run that fails part-way closes them too."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
     def print(self, text: str) -> None:
         if not self.is_main:
             return
@@ -150,8 +160,7 @@ class Reporter:
         """The run's summary (written to ``metrics.summary_json`` on rank 0); closes the progress
         bar and the TensorBoard writer. ``skipped_nonfinite_steps``: steps skipped for a NaN or
         infinite loss or gradient (``optim.skip_nonfinite``)."""
-        if self.progress is not None:
-            self.progress.stop()
+        self.close()
         steady = self.steady
         world = self.run.world
         summary = {
@@ -177,8 +186,6 @@ class Reporter:
             "losses": self.losses,
             "history": self.history,
         }
-        if self.writer is not None:
-            self.writer.close()
         if self.is_main and self.cfg.metrics.summary_json:
             path = Path(self.cfg.metrics.summary_json)
             path.parent.mkdir(parents=True, exist_ok=True)

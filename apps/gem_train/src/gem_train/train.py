@@ -6,8 +6,10 @@ this rank's next balanced batch (prepared in the background), compute both tasks
 summed BCE loss, step AdamW, report, and checkpoint when due. Nothing in a step waits for the
 device; an optional ``profiling.StepTimer`` times each phase. A ``finite.FiniteGuard`` watches
 the loss and gradients: a NaN or infinity stops the run at the next logging window or checkpoint
-(``NonFiniteError`` naming the step), or skips the step with ``optim.skip_nonfinite``. At the end it evaluates NE and AUC
-on held-out batches and returns the summary (also written to ``metrics.summary_json``).
+(``NonFiniteError`` naming the step), or skips the step with ``optim.skip_nonfinite``. At the
+end it evaluates NE and AUC on held-out batches and returns the summary (also written to
+``metrics.summary_json``). However the run ends, the loader's thread, the progress bar, the
+TensorBoard writer and the process group are closed.
 """
 
 import time
@@ -19,7 +21,6 @@ from gem_lowprec.linear import measure_pending
 from gem_train.components import Run, build_run
 from gem_train.config import TrainConfig
 from gem_train.data.loader import StepBatch
-from gem_train.finite import FiniteGuard
 from gem_train.metrics import quality_of
 from gem_train.model import loss_of
 from gem_train.profiling import StepTimer
@@ -29,17 +30,30 @@ from gem_train.reporting import Reporter
 def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
     t_start = time.perf_counter()
     run = build_run(cfg)
-    start = resume(run)
-    reporter = Reporter(run, start_step=start, t_start=t_start)
-    timer = timer or StepTimer(run.device, enabled=False)
-    guard = FiniteGuard(cfg, device=run.device, world=run.world)
+    reporter = None
+    try:
+        start = resume(run)
+        reporter = Reporter(run, start_step=start, t_start=t_start)
+        return _loop(run, reporter, start, timer or StepTimer(run.device, enabled=False))
+    finally:
+        # However the run ends: a loader thread left inside torch at interpreter exit aborts
+        # the process, and an unclosed writer loses its last events.
+        run.batches.close()
+        if reporter is not None:
+            reporter.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer) -> dict:
+    cfg, guard = run.cfg, run.guard
     for note in run.notes:
         reporter.print(note)
     run.model.train()
     for step in range(start, cfg.steps):
         timer.begin()
         prepared = next(run.batches)  # shuffled, padded, pinned by the loader's thread
-        batch, logits, loss = train_step(run, prepared, step, timer, guard)
+        batch, logits, loss = train_step(run, prepared, step, timer)
         if guard.due(step):
             guard.check()  # before the window is reported and before any checkpoint
         reporter.step(step, logits, batch, loss, prepared)
@@ -47,16 +61,13 @@ def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
         every = cfg.checkpoint.every
         if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
             save(run, step + 1)
-    summary = reporter.finish(evaluate(run), run.notes, skipped_nonfinite_steps=guard.skipped)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return summary
+    return reporter.finish(evaluate(run), run.notes, skipped_nonfinite_steps=guard.skipped)
 
 
-def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer, guard: FiniteGuard):
+def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
     """One optimizer step; returns the device batch, the real samples' logits and the loss, none
     of them synced. Padding samples (``lowprec.token_multiple``) are dropped before the loss.
-    ``guard`` sees the loss and gradients before the update and may skip it
+    ``run.guard`` sees the loss and gradients before the update and may skip it
     (``optim.skip_nonfinite``)."""
     batch = prepared.batch.to(run.device, non_blocking=True)
     timer.mark("data")
@@ -69,7 +80,7 @@ def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer, guard
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     timer.mark("backward")
-    if guard.allows_step(step, loss, run.model):
+    if run.guard.allows_step(step, loss, run.model):
         run.clip_gradients()
         run.optimizer.step()
     measure_pending(run.model)  # fp8-vs-BF16 timings of linears first met in checkpointed blocks

@@ -39,6 +39,9 @@ __all__ = ["JaggedBatch", "as_batch"]
 T = TypeVar("T")
 
 
+BATCH_ARGUMENTS = ("offsets", "kv_offsets", "max_len", "max_kv_len")
+
+
 class JaggedBatch:
     """The layout of one batch of jagged sequences: offsets, what was checked, work lists.
 
@@ -75,23 +78,29 @@ class JaggedBatch:
         max_kv_len: int | None = None,
         validate: bool = True,
     ):
-        _check_hint("max_len", max_len)
-        _check_hint("max_kv_len", max_kv_len)
-        self.offsets, self.length_range = _own_copy("offsets", offsets, validate=validate)
+        self._build(offsets, kv_offsets, max_len, max_kv_len, validate, BATCH_ARGUMENTS)
+
+    def _build(self, offsets, kv_offsets, max_len, max_kv_len, validate, names) -> None:
+        """``__init__``'s work; ``names`` are the caller's argument names for offsets,
+        kv_offsets, max_len and max_kv_len, so an op's errors name the op's own arguments."""
+        off_name, kv_name, len_name, kv_len_name = names
+        _check_hint(len_name, max_len)
+        _check_hint(kv_len_name, max_kv_len)
+        self.offsets, self.length_range = _own_copy(off_name, offsets, validate=validate)
         if kv_offsets is None:
             self.kv_offsets, self.kv_length_range = self.offsets, self.length_range
         else:
             self.kv_offsets, self.kv_length_range = _own_copy(
-                "kv_offsets", kv_offsets, validate=validate
+                kv_name, kv_offsets, validate=validate
             )
             if self.kv_offsets.shape != self.offsets.shape:
                 raise ValueError(
-                    f"kv_offsets has {self.kv_offsets.shape[0] - 1} sequences but offsets has "
+                    f"{kv_name} has {self.kv_offsets.shape[0] - 1} sequences but {off_name} has "
                     f"{self.offsets.shape[0] - 1}; they must match"
                 )
             if self.kv_offsets.device != self.offsets.device:
                 raise ValueError(
-                    f"kv_offsets is on {self.kv_offsets.device} but offsets is on "
+                    f"{kv_name} is on {self.kv_offsets.device} but {off_name} is on "
                     f"{self.offsets.device}; they must match"
                 )
         self.num_seqs = self.offsets.shape[0] - 1
@@ -223,19 +232,24 @@ def as_batch(
     *,
     max_len: int | None = None,
     max_kv_len: int | None = None,
+    names: tuple[str, str, str, str] = ("q_offsets", "kv_offsets", "max_q_len", "max_kv_len"),
 ) -> JaggedBatch:
     """The ops' entry: a ``JaggedBatch`` passed in is used as it is (``kv_offsets`` must then be
-    None: the batch holds both sides); plain tensors get a batch built for the call."""
+    None: the batch holds both sides); plain tensors get a batch built for the call, and its
+    errors use ``names``, the op's names for offsets, kv_offsets, max_len and max_kv_len."""
+    off_name, kv_name = names[:2]
     if isinstance(offsets, JaggedBatch):
         if kv_offsets is not None:
             raise ValueError(
-                "a JaggedBatch holds both sides: pass kv_offsets to JaggedBatch(...), not to "
-                "the op, when q_offsets is a JaggedBatch"
+                f"a JaggedBatch holds both sides: pass kv_offsets to JaggedBatch(...), not "
+                f"{kv_name} to the op, when {off_name} is a JaggedBatch"
             )
         return offsets
     if isinstance(kv_offsets, JaggedBatch):
-        raise TypeError("kv_offsets must be a tensor or None; pass a JaggedBatch as q_offsets")
-    return JaggedBatch(offsets, kv_offsets, max_len=max_len, max_kv_len=max_kv_len)
+        raise TypeError(f"{kv_name} must be a tensor or None; pass a JaggedBatch as {off_name}")
+    batch = JaggedBatch.__new__(JaggedBatch)
+    batch._build(offsets, kv_offsets, max_len, max_kv_len, True, names)
+    return batch
 
 
 def _check_hint(name: str, value) -> None:

@@ -123,6 +123,9 @@ class TrainBatches:
             {"shuffler": self.shuffler.state_dict()} if self.shuffler else {}
         )
         self._iterator = None
+        self._producer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready: queue.Queue | None = None
 
     def _shuffler(self):
         try:
@@ -178,16 +181,23 @@ class TrainBatches:
         if self.prefetch == 0:
             return pairs
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = self._stop
 
         def produce():
+            # After each put the thread looks for close(): it drains the queue, so this put
+            # returns, and the thread ends at the latest one batch later.
             try:
                 for pair in pairs:
                     ready.put(pair)
+                    if stop.is_set():
+                        return
                 ready.put(_END)
             except BaseException as exc:  # handed to the consumer, raised there
                 ready.put(exc)
 
-        threading.Thread(target=produce, name="gem-train-data", daemon=True).start()
+        self._ready = ready
+        self._producer = threading.Thread(target=produce, name="gem-train-data", daemon=True)
+        self._producer.start()
 
         def consume():
             while (item := ready.get()) is not _END:
@@ -205,6 +215,21 @@ class TrainBatches:
             self._iterator = self._start()
         batch, self._state = next(self._iterator)
         return batch
+
+    def close(self) -> None:
+        """Stop and join the prefetching thread (if one started); idempotent. A thread left
+        running inside torch when the interpreter exits aborts the process ("terminate called"),
+        so every run closes its batches however it ends."""
+        if self._producer is None:
+            return
+        self._stop.set()
+        while self._producer.is_alive():
+            try:
+                self._ready.get(timeout=0.05)  # frees the slot the producer may wait on
+            except queue.Empty:
+                pass
+        self._producer.join()
+        self._producer = None
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out (read-ahead batches do not count)."""

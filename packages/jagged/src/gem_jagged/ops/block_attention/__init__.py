@@ -14,7 +14,7 @@ import torch
 
 from ..._checks import check_head_dim, check_same, check_tokens, check_values, resolve_backend
 from ..._dispatch import custom_op_required
-from ...batch import JaggedBatch, as_batch
+from ...batch import BATCH_ARGUMENTS, JaggedBatch, as_batch
 from ._op import BlockAttentionTritonFunction, block_attention_op, resolve_config
 from .config import BlockAttentionConfig, config_for
 
@@ -74,7 +74,7 @@ def block_attention(
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     if rope_theta is not None and not (math.isfinite(rope_theta) and rope_theta > 1.0):
         raise ValueError(f"rope_theta must be a finite number > 1 (e.g. 10000.0), got {rope_theta}")
-    batch = as_batch(offsets)
+    batch = as_batch(offsets, names=BATCH_ARGUMENTS)
     if not batch.is_self_attention:
         raise ValueError("block_attention is self-attention: pass a JaggedBatch without kv_offsets")
     if batch.device != q.device:

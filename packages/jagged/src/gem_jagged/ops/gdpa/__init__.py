@@ -120,7 +120,9 @@ def gdpa(
                 "sequences; q holds the shared seeds and q_offsets is ignored"
             )
         else:
-            batch = as_batch(kv_offsets)
+            batch = as_batch(
+                kv_offsets, names=("kv_offsets", "kv_offsets", "max_len", "max_kv_len")
+            )
         check_tokens("kv_offsets", batch.kv_length_range, k.shape[0], values="k")
         q_offsets_t = kv_offsets_t = batch.kv_offsets
         is_cross = True
