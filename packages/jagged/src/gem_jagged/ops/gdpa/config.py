@@ -55,6 +55,11 @@ class SigmoidForm(enum.Enum):
     TANH_APPROX = "tanh_approx"  # ``½ + ½·tanh.approx(x/2)``: one instruction, NVIDIA GPUs only
 
 
+# ``as_ints`` runs inside compiled graphs, where Dynamo cannot iterate an enum class; a tuple of
+# its members it can.
+_SIGMOID_FORMS = tuple(SigmoidForm)
+
+
 class Regime(enum.Enum):
     """What beyond device, dtype and head dim changes the best tiles."""
 
@@ -102,12 +107,11 @@ class GdpaTiles:
     def as_ints(self) -> list[int]:
         """The fields as one ``int`` list (None as -1, ``sigmoid`` by its position in
         ``SigmoidForm``), the form a ``torch.library`` custom op can carry."""
-        forms = list(SigmoidForm)
         values = []
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, SigmoidForm):
-                values.append(forms.index(value))
+                values.append(_SIGMOID_FORMS.index(value))
             else:
                 values.append(-1 if value is None else int(value))
         return values
@@ -121,7 +125,7 @@ class GdpaTiles:
         kwargs = {}
         for field, value in zip(fields, values, strict=True):
             if field.name == "sigmoid":
-                kwargs[field.name] = list(SigmoidForm)[value]
+                kwargs[field.name] = _SIGMOID_FORMS[value]
             else:
                 kwargs[field.name] = None if value == -1 else int(value)
         return cls(**kwargs)

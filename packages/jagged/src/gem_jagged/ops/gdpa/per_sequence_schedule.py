@@ -363,5 +363,6 @@ def backward_per_sequence(
                 num_warps=tiles.dq_warps, num_stages=tiles.dq_stages, **common,
             )  # fmt: skip
     if atomic_kv:
-        dk, dv = dkv.to(k_TNH.dtype).unbind(0)
+        # Two tensors, not two views of one: a custom op's outputs may not alias each other.
+        dk, dv = dkv[0].to(k_TNH.dtype, copy=True), dkv[1].to(v_TNH.dtype, copy=True)
     return dq, dk, dv, dbias
