@@ -36,6 +36,15 @@ def kernel_flags(q_TNH, *, activation, causal, has_bias, tiles: GdpaTiles, nb_po
     return flags
 
 
+def backward_bias(rel_bias_NB, q_TNH) -> tuple[bool, torch.Tensor, int, int, int]:
+    """``(has_bias, bias, num_buckets, nb_pow2, radius)`` as the backward kernels take them;
+    without a bias, ``q_TNH`` stands in for the pointer the kernels never read."""
+    has_bias = rel_bias_NB is not None
+    bias = rel_bias_NB.contiguous() if has_bias else q_TNH
+    num_buckets = rel_bias_NB.shape[1] if has_bias else 1
+    return has_bias, bias, num_buckets, next_power_of_2(num_buckets), (num_buckets - 1) // 2
+
+
 def gdpa_forward(
     q_TNH, k_TNH, v_TNH, q_offsets_Bp1, kv_offsets_Bp1, *, activation, causal, scale,
     out_scale, broadcast_q, rel_bias_NB, is_cross, batch, tiles: GdpaTiles,
@@ -94,11 +103,7 @@ def gdpa_backward(
     """
     do_TNH = do_TNH.contiguous()
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
-    has_bias = rel_bias_NB is not None
-    bias = rel_bias_NB.contiguous() if has_bias else q_TNH
-    num_buckets = rel_bias_NB.shape[1] if has_bias else 1
-    nb_pow2 = next_power_of_2(num_buckets)
-    radius = (num_buckets - 1) // 2
+    has_bias, bias, num_buckets, nb_pow2, radius = backward_bias(rel_bias_NB, q_TNH)
     common = kernel_flags(
         q_TNH, activation=activation, causal=causal, has_bias=has_bias, tiles=tiles,
         nb_pow2=nb_pow2,

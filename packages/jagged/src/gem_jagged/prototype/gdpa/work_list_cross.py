@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_jagged._intmath import cdiv, next_power_of_2
+from gem_jagged._intmath import cdiv
 from gem_jagged._worklist import TileWorkList, key_tiles
 from gem_jagged.ops.gdpa.config import Arch, GdpaTiles, seed_block
-from gem_jagged.ops.gdpa.triton import kernel_flags
+from gem_jagged.ops.gdpa.triton import backward_bias, kernel_flags
 from gem_jagged.ops.gdpa.worklist_schedule import (
     key_work,
     launch_dkdv,
@@ -133,11 +133,7 @@ def gdpa_backward_work_list(
     q_TNH, k_TNH, v_TNH = q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous()
     num_heads = k_TNH.shape[1]
     device = q_TNH.device
-    has_bias = rel_bias_NB is not None
-    bias = rel_bias_NB.contiguous() if has_bias else q_TNH
-    num_buckets = rel_bias_NB.shape[1] if has_bias else 1
-    nb_pow2 = next_power_of_2(num_buckets)
-    radius = (num_buckets - 1) // 2
+    has_bias, bias, num_buckets, nb_pow2, radius = backward_bias(rel_bias_NB, q_TNH)
     common = kernel_flags(
         q_TNH, activation=activation, causal=causal, has_bias=has_bias, tiles=tiles,
         nb_pow2=nb_pow2,
