@@ -19,6 +19,7 @@ from gem_train.config import (
     named_config,
 )
 from gem_train.config_fields import Range
+from gem_train.data.synthetic import SyntheticStream
 
 
 @pytest.mark.parametrize("name", list(NAMED_CONFIGS))
@@ -188,6 +189,8 @@ def test_numeric_messages_say_what_is_expected():
         OptimConfig(beta2=1.0)
     with pytest.raises(ConfigError, match=r"^model\.d_model must be an integer, got True$"):
         ModelConfig(d_model=True)
-    assert (
-        DataConfig(sigma=0.0, teacher_strength=0.0).sigma == 0.0
-    )  # constant lengths, noise labels
+    # The bounds themselves are allowed and mean what they say: σ = 0 gives every history one
+    # length (teacher_strength = 0: labels independent of the features).
+    flat = DataConfig(sigma=0.0, teacher_strength=0.0)
+    lengths = SyntheticStream(flat, ModelConfig()).batch(0).lengths
+    assert lengths.unique().numel() == 1, lengths
