@@ -126,3 +126,28 @@ def test_training_steps_read_nothing_back_from_embeddings_or_offsets(small, embe
     _, sites = count_syncs(lambda: [train_step(run, next(run.batches), s, timer) for s in (3, 4)])
     offending = {s: n for s, n in sites.items() if "embeddings" in s or "_checks" in s}
     assert not offending, f"host syncs in a step: {dict(sites)}"
+
+
+@pytest.mark.gpu
+def test_a_training_step_never_waits_for_the_gpu(small):
+    """Two whole steps queue while the GPU is still busy with earlier work. This catches what
+    ``count_syncs`` cannot see: a copy from pageable host memory (the history or candidate
+    offsets, say) first waits for every queued kernel, and the host then never runs ahead."""
+    from gem_train.components import build_run
+    from gem_train.profiling import StepTimer
+    from gem_train.train import train_step
+
+    run = build_run(small(**GPU, steps=8, lowprec__recipe="none", lowprec__autocast_bf16=True))
+    timer = StepTimer(run.device, enabled=False)
+    for step in range(3):
+        train_step(run, next(run.batches), step, timer)
+    prepared = [next(run.batches) for _ in range(2)]  # the loader's thread is not under test
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU clock cycles
+    busy = torch.cuda.Event()
+    busy.record()
+    for step, batch in zip((3, 4), prepared, strict=True):
+        train_step(run, batch, step, timer)
+    still_busy = not busy.query()
+    torch.cuda.synchronize()
+    assert still_busy, "a training step waited for the GPU to finish earlier work"

@@ -209,6 +209,26 @@ def test_from_host_batch_needs_no_sync_at_the_op():
 
 
 @pytest.mark.gpu
+def test_moving_host_offsets_asynchronously_never_waits_for_the_device():
+    """``from_host(non_blocking=True)`` and ``with_queries`` of CPU offsets return while the GPU
+    is still busy: staged through pageable memory, the copy would first wait for every queued
+    kernel (a synchronisation that ``set_sync_debug_mode`` does not report)."""
+    host = offsets_from_lengths([5, 0, 9, 3])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+    busy = torch.cuda.Event()
+    busy.record()
+    batch = JaggedBatch.from_host(host, device="cuda", non_blocking=True)
+    cross = batch.with_queries(torch.arange(5) * 2)
+    still_busy = not busy.query()
+    host.fill_(7)  # the batch owns its copy, also while the copy is in flight
+    torch.cuda.synchronize()
+    assert still_busy, "moving host offsets waited for the GPU"
+    assert batch.offsets.tolist() == [0, 5, 5, 14, 17]
+    assert cross.offsets.tolist() == [0, 2, 4, 6, 8] and cross.kv_offsets is batch.offsets
+
+
+@pytest.mark.gpu
 def test_a_batch_built_inside_a_captured_graph_follows_the_static_offsets():
     """The capture pattern: copy the next batch's offsets into the static tensor, replay."""
     static = offsets_from_lengths([5, 300, 17], device="cuda")

@@ -121,16 +121,18 @@ class JaggedBatch:
     ) -> "JaggedBatch":
         """A batch on ``device`` from CPU offsets, checked on the host where the check is free:
         no device-to-host synchronisation at all. For data pipelines that build offsets on the
-        host, as most do. The length range is known, as after a checked build."""
+        host, as most do. The length range is known, as after a checked build. With
+        ``non_blocking`` the host does not wait for the device either: the copy to CUDA goes
+        through pinned memory."""
         host = _require_cpu("offsets", offsets)
         host_kv = None if kv_offsets is None else _require_cpu("kv_offsets", kv_offsets)
         checked = cls(host, host_kv)
         batch = cls.__new__(cls)
-        batch.offsets = checked.offsets.to(device, non_blocking=non_blocking)
+        batch.offsets = _move_private(checked.offsets, device, non_blocking=non_blocking)
         batch.kv_offsets = (
             batch.offsets
             if kv_offsets is None
-            else checked.kv_offsets.to(device, non_blocking=non_blocking)
+            else _move_private(checked.kv_offsets, device, non_blocking=non_blocking)
         )
         for name in ("num_seqs", "length_range", "kv_length_range", "max_len", "max_kv_len"):
             setattr(batch, name, getattr(checked, name))
@@ -160,12 +162,13 @@ class JaggedBatch:
 
     def with_queries(self, q_offsets: torch.Tensor) -> "JaggedBatch":
         """A cross-attention batch: queries described by ``q_offsets`` (checked where they lie:
-        free on the CPU, from where they are moved to this batch's device), keys and values by
-        this batch's (query-side) sequences, whose check is not repeated. For candidates
-        attending over a history, say."""
+        free on the CPU, from where they move to this batch's device without waiting for it),
+        keys and values by this batch's (query-side) sequences, whose check is not repeated.
+        For candidates attending over a history, say."""
         if isinstance(q_offsets, torch.Tensor) and q_offsets.device.type == "cpu":
             checked = JaggedBatch(q_offsets)
-            q_copy, q_range = checked.offsets.to(self.device), checked.length_range
+            q_copy = _move_private(checked.offsets, self.device, non_blocking=True)
+            q_range = checked.length_range
         else:
             q_copy, q_range = _own_copy("q_offsets", q_offsets, validate=True)
         if q_copy.shape != self.offsets.shape:
@@ -269,6 +272,16 @@ def _require_cpu(name: str, offsets) -> torch.Tensor:
             f"{name} must be on the CPU (the check is free there), got {offsets.device}"
         )
     return offsets
+
+
+def _move_private(host: torch.Tensor, device, *, non_blocking: bool) -> torch.Tensor:
+    """A batch's private CPU copy ``host`` on ``device``. An asynchronous copy to CUDA is staged
+    in pinned memory: from pageable memory CUDA first waits for every kernel queued before it,
+    a host synchronisation that ``torch.cuda.set_sync_debug_mode`` does not report. PyTorch's
+    pinned allocator keeps the staging block until the copy has run."""
+    if non_blocking and torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=non_blocking)
 
 
 def _own_copy(name: str, offsets, *, validate: bool) -> tuple[torch.Tensor, LengthRange | None]:
