@@ -248,14 +248,30 @@ def test_gpu_decision_is_timed_once_per_m_bucket_and_never_under_hooks():
 
 @pytest.mark.gpu
 def test_gpu_decision_under_autocast_times_the_autocast_output():
-    """A float32 input under BF16 autocast is timed as it runs: fp8 with a BF16 output against
-    the BF16 linear autocast would run, not against a float32 GEMM."""
+    """A float32 input under BF16 autocast is timed as it runs: cast to BF16, fp8 with a BF16
+    output against the BF16 linear autocast would run, not against a float32 GEMM."""
     layer = LowPrecisionLinear(256, 640, recipe=Recipe(), device="cuda")  # float32 weight
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(torch.randn(4096, 256, device="cuda"))
     assert y.dtype == torch.bfloat16
     keys = [key for key in layer.decisions.measured if key[1:3] == (256, 640)]
-    assert [key[3:] for key in keys] == [(torch.float32, torch.bfloat16, 4096)]
+    assert [key[3:] for key in keys] == [(torch.bfloat16, torch.bfloat16, 4096)]
+
+
+def test_under_autocast_a_float32_input_is_cast_first_as_nn_linear_casts_it():
+    """The fp8 GEMM quantizes the autocast dtype, whatever the input's: a float32 input gives
+    bit for bit what its BF16 rounding gives (and needs no float32 quantize kernel)."""
+    torch.manual_seed(0)
+    layer = LowPrecisionLinear(256, 128, recipe=Recipe())
+    x = torch.randn(64, 256, requires_grad=True)
+    x16 = x.detach().to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y16 = layer(x), layer(x16)
+    assert y.dtype == torch.bfloat16 and not layer.decisions.fallbacks  # fp8 ran
+    torch.testing.assert_close(y, y16, rtol=0, atol=0)
+    y.float().square().sum().backward()
+    y16.float().square().sum().backward()
+    torch.testing.assert_close(x.grad, x16.grad.float(), rtol=0, atol=0)
 
 
 def test_measure_pending_times_what_was_met_under_hooks():

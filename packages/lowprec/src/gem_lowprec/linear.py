@@ -34,9 +34,10 @@ class LowPrecisionLinear(nn.Linear):
         decisions: the ``Fp8Decisions`` to consult and record in; linears sharing one time each
             shape once. Default: a new one for this module.
 
-    Inputs ``x [..., in_features]`` of any float dtype; under autocast the output has the
-    autocast dtype. The fp8 path needs (rows of x) M % 16 == 0 and K, N multiples of 128
-    (mxfp8) or 16 (fp8_rowwise); other shapes run BF16 with a warning.
+    Inputs ``x [..., in_features]`` of any float dtype; under autocast the input is cast to the
+    autocast dtype first and the output has it, as for ``nn.Linear``. The fp8 path needs (rows
+    of x) M % 16 == 0 and K, N multiples of 128 (mxfp8) or 16 (fp8_rowwise); other shapes run
+    BF16 with a warning.
     """
 
     def __init__(
@@ -89,7 +90,10 @@ class LowPrecisionLinear(nn.Linear):
         x2 = x.reshape(-1, self.in_features)
         out_dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):
+            # the GEMM's input is the autocast dtype, as nn.Linear's is: an fp32 input (the
+            # embeddings, say) is rounded to it before quantizing, like every other input
             out_dtype = torch.get_autocast_dtype(x.device.type)
+            x2 = x2.to(out_dtype)
         if not self._use_fp8(x2, out_dtype):
             return F.linear(x, self.weight, self.bias)
         y = fp8_linear(x2.contiguous(), self.weight, self.recipe, out_dtype, self._unit_scales)
