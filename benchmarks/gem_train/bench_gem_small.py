@@ -41,7 +41,9 @@ row, the top kernels of one step from ``torch.profiler`` (and a Chrome trace per
 
 A variant runs in its own process so that a crash (a sticky CUDA error) cannot poison the others;
 a variant that dies of a CUDA error is run again with ``CUDA_LAUNCH_BLOCKING=1`` for one step to
-name the operation that failed. ``--gpus N`` runs up to N variants at once, each on its own GPU of
+name the operation that failed. When inductor's FlexAttention backward (with what it fused around
+it) needs more shared memory than the GPU has, the strong anchor runs again with
+``model.flex_bwd_stages`` 2, then 1, as a careful user would; the row's notes say so. ``--gpus N`` runs up to N variants at once, each on its own GPU of
 the host (the variants then share the host's CPU cores; the rows say nothing else about each
 other).
 
@@ -103,6 +105,9 @@ SMOKE = {
     "lowprec.token_multiple": "128",
 }  # fmt: skip
 RESULT = "A2-RESULT "  # the line a variant's process ends with
+# What a careful user tries when inductor's FlexAttention backward does not fit in shared
+# memory: fewer software-pipeline stages, the fewest last (the row records what it ran with).
+FLEX_BWD_STAGES_TO_TRY = (2, 1)
 MAX_EXTRA_WARMUP = 12  # warm-up steps beyond --warmup while steps still compile kernels
 
 
@@ -272,21 +277,26 @@ def gpu_time_split(trace: Path) -> dict[str, float]:
 
 
 def child_main(args) -> None:
-    flags = VARIANTS[args.child]
+    flags = {**VARIANTS[args.child], **dict(args.set)}
     result = run_variant(
         flags, steps=args.steps, warmup=args.warmup, smoke=args.smoke, local=args.local,
         sync_steps=args.sync_steps, profile=args.profile,
     )  # fmt: skip
+    if args.set:
+        result["notes"] += "; with " + ", ".join(f"{k}={v}" for k, v in args.set)
     print(RESULT + json.dumps(result, allow_nan=True), flush=True)
 
 
 def launch(
-    name: str, args, *, local: bool, gpu: int | None, blocking: bool = False
-) -> tuple[dict | None, str]:
-    """Run one variant in a fresh process (on GPU ``gpu`` of the host when given);
-    ``(result or None, the output's tail)``."""
+    name: str, args, *, local: bool, gpu: int | None, blocking: bool = False,
+    extra: dict[str, str] | None = None,
+) -> tuple[dict | None, str]:  # fmt: skip
+    """Run one variant in a fresh process (on GPU ``gpu`` of the host when given), with
+    ``extra`` flags over the variant's; ``(result or None, the output's tail)``."""
     command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--sync-steps", str(args.sync_steps)]  # fmt: skip
+    for key, value in (extra or {}).items():
+        command += ["--set", f"{key}={value}"]
     if args.smoke:
         command.append("--smoke")
     if local:
@@ -336,6 +346,10 @@ def main() -> None:
         "--gpus", type=int, default=1, help="variants run at once, one GPU of the host each"
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--set", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
     parser.add_argument("--local", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -376,6 +390,14 @@ def main() -> None:
             t0 = time.perf_counter()
             result, tail = launch(name, args, local=local, gpu=gpu)
             lines = [f"  {name}: {time.perf_counter() - t0:.0f} s"]
+            for stages in FLEX_BWD_STAGES_TO_TRY:
+                if result is not None or not flex_backward_out_of_shared_memory(tail):
+                    break
+                lines.append(f"  {name}: inductor's FlexAttention backward needs more shared "
+                             f"memory than the GPU has; again with model.flex_bwd_stages={stages}")  # fmt: skip
+                result, tail = launch(
+                    name, args, local=local, gpu=gpu, extra={"model.flex_bwd_stages": str(stages)}
+                )
             if result is None:
                 lines.append(f"  {name} FAILED; the end of its output:\n{_indent(tail)}")
                 if "CUDA error" in tail or "illegal memory access" in tail:
@@ -412,6 +434,12 @@ def _one_line(r: dict) -> str:
     return (f"    {r['qps']:.0f} QPS, {r['step_ms']:.1f} ms/step, E2E MFU {r['e2e_mfu']:.3f}, "
             f"Local MFU {r['local_mfu']:.3f}, peak {r['peak_gib']:.1f} GiB; ms GPU/host: {phases}; "
             f"{r['syncs_per_step']:.0f} host syncs/step")  # fmt: skip
+
+
+def flex_backward_out_of_shared_memory(output: str) -> bool:
+    """Whether a variant died because inductor's FlexAttention backward kernel (with what it
+    fused around it) needs more shared memory than the GPU has."""
+    return "out of resource" in output and "flex_attention_backward" in output
 
 
 def _failure_summary(lines: list[str]) -> str:

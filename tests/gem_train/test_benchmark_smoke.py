@@ -39,3 +39,29 @@ def test_compile_stability_smoke_reports_each_step():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "step 0:" in done.stdout and "kernels compiled" in done.stdout
+
+
+def test_a2_reruns_flex_with_fewer_backward_stages_only_when_it_ran_out_of_shared_memory():
+    """The strong anchor is run again with ``model.flex_bwd_stages`` only for inductor's
+    out-of-shared-memory FlexAttention backward, and the row records the flag it ran with."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_gem_small as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    message = (
+        "RuntimeError: No valid triton configs. OutOfMemoryError: out of resource: "
+        "triton_tem_fused_flex_attention_backward_select_backward_transpose_view_6 Required: "
+        "235008 Hardware limit:232448 Reducing block sizes or `num_stages` may help."
+    )
+    assert bench.flex_backward_out_of_shared_memory(message)
+    assert not bench.flex_backward_out_of_shared_memory("CUDA error: an illegal memory access")
+    assert not bench.flex_backward_out_of_shared_memory("out of resource: triton_mm_3")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--child", bench.STRONG_ANCHOR, "--smoke", "--steps", "1",
+         "--warmup", "1", "--sync-steps", "0", "--set", "model.flex_bwd_stages=2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith(bench.RESULT)]
+    assert json.loads(line[len(bench.RESULT) :])["notes"].endswith("with model.flex_bwd_stages=2")

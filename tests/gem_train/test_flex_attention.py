@@ -31,10 +31,11 @@ def _inputs(device="cpu", dtype=torch.float32, seed=0):
     return [t.to(device) for t in (q, k, v, rel_bias, offsets)]
 
 
-def _flex(q, k, v, rel_bias, offsets, *, backend):
+def _flex(q, k, v, rel_bias, offsets, *, backend, bwd_stages=0):
     masks = FlexMasks(
-        offsets, total=q.shape[0], seeds=0, candidates=0, history=True, backend=backend
-    )
+        offsets, total=q.shape[0], seeds=0, candidates=0, history=True, backend=backend,
+        bwd_stages=bwd_stages,
+    )  # fmt: skip
     return masks.attend("history", q, k, v, score_mod=relative_bias_score_mod(rel_bias))
 
 
@@ -126,6 +127,25 @@ def test_the_model_builds_one_set_of_masks_per_batch_for_every_layer(small):
     assert rel_bias.grad is not None and rel_bias.grad.abs().sum() > 0
 
 
+def test_the_backward_stages_reach_flex_and_leave_the_forward_alone(small):
+    """``model.flex_bwd_stages`` becomes flex's ``bwd_num_stages`` kernel option (0 leaves
+    inductor's choice); a forward is the same with it."""
+    cfg = small(model__attention="flex", model__flex_bwd_stages=1)
+    batch = SyntheticStream(cfg.data, cfg.model).batch(0)
+    model = GemModel(cfg.model)
+    seen = []
+    model.dense.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[-1]))
+    model(batch)
+    assert seen[0].kernel_options == {"bwd_num_stages": 1}
+    inputs = _inputs()
+    with torch.no_grad():
+        staged = _flex(*inputs, backend="eager", bwd_stages=2)
+        torch.testing.assert_close(staged, _flex(*inputs, backend="eager"), rtol=0, atol=0)
+    total = inputs[0].shape[0]
+    masks = FlexMasks(inputs[-1], total=total, seeds=0, candidates=0, history=True, backend="dense")
+    assert masks.kernel_options is None
+
+
 def test_an_unknown_flex_backend_names_the_field(small):
     with pytest.raises(ConfigError, match="model.flex_backend"):
         small(model__attention="flex", model__flex_backend="fast")
@@ -135,8 +155,11 @@ def test_an_unknown_flex_backend_names_the_field(small):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_flex_equals_the_jagged_reference_on_cuda():
     inputs = _inputs(device="cuda")
-    out_f, grads_f = _forward_and_grads(lambda *a: _flex(*a, backend="compiled"), *inputs)
     out_r, grads_r = _forward_and_grads(_reference, *inputs)
-    torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-4)
-    for name, g_f, g_r in zip(("q", "k", "v", "rel_bias"), grads_f, grads_r, strict=True):
-        torch.testing.assert_close(g_f, g_r, rtol=1e-3, atol=1e-3, msg=name)
+    for stages in (0, 1):  # inductor's backward, and one with the stages set
+        out_f, grads_f = _forward_and_grads(
+            lambda *a, s=stages: _flex(*a, backend="compiled", bwd_stages=s), *inputs
+        )
+        torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-4)
+        for name, g_f, g_r in zip(("q", "k", "v", "rel_bias"), grads_f, grads_r, strict=True):
+            torch.testing.assert_close(g_f, g_r, rtol=1e-3, atol=1e-3, msg=f"{name} {stages}")

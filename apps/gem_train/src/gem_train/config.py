@@ -49,6 +49,12 @@ class ModelConfig:
         "backward on the CPU), dense (the same masks on the full score matrix, plain PyTorch) or "
         "auto (compiled on CUDA, dense elsewhere)",
     )
+    flex_bwd_stages: int = opt(
+        0,
+        "software-pipeline stages of the compiled FlexAttention backward (0: inductor's "
+        "choice; 1 or 2 where its choice needs more shared memory than the GPU has)",
+        at_least=0,
+    )
     block_size: int = opt(64, "BlockAttention block length in tokens", at_least=1)
     rope_theta: float = opt(10000.0, "BlockAttention RoPE base", above=0)
     rel_bias_radius: int = opt(32, "relative-position bias buckets on each side (R)", at_least=0)

@@ -136,6 +136,8 @@ class FlexMasks:
         candidates: candidate tokens per sample ``C``, or 0 when the cross-attention does not.
         history: build the history's document + causal mask.
         backend: one of ``FLEX_BACKENDS``; ``auto`` resolves on the offsets' device.
+        bwd_stages: pipeline stages of the compiled backward kernels, or 0 for inductor's
+            choice (``model.flex_bwd_stages``).
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -150,8 +152,10 @@ class FlexMasks:
         candidates: int,
         history: bool,
         backend: str,
+        bwd_stages: int = 0,
     ):
         self.backend = resolve_flex_backend(backend, offsets_Bp1.device)
+        self.kernel_options = {"bwd_num_stages": bwd_stages} if bwd_stages else None
         self.total, self.num_samples = total, offsets_Bp1.numel() - 1
         doc_T = document_ids(offsets_Bp1, total)
         self.doc_T = doc_T
@@ -220,5 +224,8 @@ class FlexMasks:
             out = dense_flex_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
         else:
             attend = compiled_flex_attention if self.backend == "compiled" else flex_attention
-            out = attend(q, k, v, score_mod=score_mod, block_mask=self.block_masks[which])
+            out = attend(
+                q, k, v, score_mod=score_mod, block_mask=self.block_masks[which],
+                kernel_options=self.kernel_options,
+            )  # fmt: skip
         return out[0].transpose(0, 1)

@@ -103,7 +103,7 @@ class DenseTower(nn.Module):
         return FlexMasks(
             layout.offsets, total=total, seeds=m.pma_seeds if pooling else 0,
             candidates=candidates if pooling else 0, history=m.attention == "flex",
-            backend=m.flex_backend,
+            backend=m.flex_backend, bwd_stages=m.flex_bwd_stages,
         )  # fmt: skip
 
     def forward(self, seq: dict, pooled: dict, layout: JaggedBatch, max_len: int) -> torch.Tensor:
