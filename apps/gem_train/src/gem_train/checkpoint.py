@@ -12,15 +12,24 @@ resharded on load) holding
   ``weights_only=True``.
 
 Saving goes to ``step_<n>.partial``; when every rank has finished, rank 0 hashes every file into
-``manifest.json`` (size and SHA-256) and renames the folder. So a folder named ``step_<n>`` without a
+``manifest.json`` (size and SHA-256, and the run's ``record``: its resolved config and data files,
+``gem_train.run_record``) and renames the folder. So a folder named ``step_<n>`` without a
 manifest, with a file missing or with a file whose size or hash differs, is partial or corrupted:
 ``load`` refuses it with a message naming the folder and the file, and never falls back silently
 to something else. ``*.partial`` folders (a save interrupted by a crash) are never considered.
 After each save the newest ``checkpoint.keep`` checkpoints are kept and older ones deleted.
+
+``load`` also refuses a checkpoint that does not fit the run: saved by another number of
+processes, recording another config or other data (naming the first field that differs), or
+holding other model parameters than the model's (DCP alone would load the common ones and drop
+the rest). ``check_folder`` finds, before any training, a folder that cannot take a checkpoint
+(a file, not writable, too little free space), and a save that runs out of space says so.
 """
 
+import errno
 import io
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -41,6 +50,7 @@ from gem_train.checkpoint_checks import (
     sha256_of,
     verify,
 )
+from gem_train.run_record import first_difference
 
 __all__ = ["MANIFEST", "CheckpointError", "Checkpointer", "list_checkpoints", "verify"]
 
@@ -119,25 +129,93 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
 
 
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds ``folder`` (or would: its nearest existing
+    ancestor)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 class Checkpointer:
-    def __init__(self, folder: str, *, keep: int):
-        self.folder, self.keep = Path(folder), keep
+    """Saves and loads the checkpoints of one run in ``folder``.
+
+    Args:
+        folder: where the ``step_<n>`` folders live (created if missing).
+        keep: how many of the newest checkpoints to keep.
+        record: what the run is (``gem_train.run_record.resume_record``), written into each
+            manifest and compared on ``load``; None records and checks nothing.
+    """
+
+    def __init__(self, folder: str, *, keep: int, record: dict | None = None):
+        self.folder, self.keep, self.record = Path(folder), keep, record
+
+    def check_folder(self, *, needed_bytes: int) -> None:
+        """Before training: the folder exists or can be made, takes a file, and has room for a
+        checkpoint of about ``needed_bytes``.
+
+        Raises:
+            CheckpointError: naming the folder and the cause (a file, not writable, no space).
+        """
+        where = f"checkpoint.folder {str(self.folder)!r}"
+        if self.folder.exists() and not self.folder.is_dir():
+            raise CheckpointError(f"{where} is a file, not a folder")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = self.folder / f".write_probe.rank{_rank()}"
+            os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
+            probe.unlink()
+        except OSError as exc:
+            raise CheckpointError(
+                f"{where} is not writable: {exc.strerror or exc} (checked before training, "
+                "not at the first save)"
+            ) from None
+        self._check_space(needed_bytes, when="before training")
+
+    def _check_space(self, needed_bytes: int, *, when: str) -> None:
+        free = _free_bytes(self.folder)
+        if free < needed_bytes:
+            raise CheckpointError(
+                f"no space for a checkpoint in checkpoint.folder {str(self.folder)!r} ({when}): "
+                f"{_size(free)} free, a checkpoint of this run takes about {_size(needed_bytes)}"
+            )
 
     def save(self, step: int, model, optimizer, train_state: dict) -> Path:
         final = self.folder / f"step_{step:08d}"
         partial = final.with_name(final.name + ".partial")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        self._check_space(state_bytes(model_sd, optim_sd), when=f"saving step {step}")
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
         _as_global(model_sd, optim_sd, _row_sharded(model))
         buffer = io.BytesIO()
         torch.save({**train_state, "rng": rng_state()}, buffer)
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(state, checkpoint_id=str(partial))
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.save(state, checkpoint_id=str(partial))
+        except (OSError, RuntimeError) as exc:
+            # a full disk surfaces from DCP's writer as "unexpected pos" or a bare OSError
+            out_of_space = getattr(exc, "errno", None) == errno.ENOSPC or (
+                _free_bytes(self.folder) < (1 << 20)
+            )
+            if out_of_space:
+                raise CheckpointError(
+                    f"no space left in checkpoint.folder {str(self.folder)!r} while saving step "
+                    f"{step} ({_size(_free_bytes(self.folder))} free); the partial "
+                    f"save {partial.name} is not a checkpoint"
+                ) from exc
+            raise
         _barrier()
         if _rank() == 0:
             files = {
@@ -147,6 +225,8 @@ class Checkpointer:
             }
             world = dist.get_world_size() if dist.is_initialized() else 1
             manifest = {"step": step, "world_size": world, "files": files}
+            if self.record is not None:
+                manifest["record"] = self.record
             (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
@@ -169,10 +249,12 @@ class Checkpointer:
                 f"checkpoint {path} was saved by {manifest.get('world_size')} processes; this run "
                 f"has {world} (the data position is per rank)"
             )
+        self._check_record(path, manifest)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sharded = _row_sharded(model)
         _as_global(model_sd, optim_sd, sharded)
-        load_metadata(path / ".metadata")  # refuses a tampered pickle before DCP reads it
+        metadata = load_metadata(path / ".metadata")  # refuses a tampered pickle before DCP
+        _check_parameters(path, metadata, model_sd)
         buffer = io.BytesIO()
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
         with warnings.catch_warnings():
@@ -187,3 +269,53 @@ class Checkpointer:
         train_state = torch.load(buffer, weights_only=True)
         set_rng_state(train_state.pop("rng"))
         return train_state
+
+    def _check_record(self, path: Path, manifest: dict) -> None:
+        if self.record is None:
+            return
+        saved = manifest.get("record")
+        if not isinstance(saved, dict):
+            raise CheckpointError(
+                f"checkpoint {path} records no config and data of its run, so it cannot be "
+                "checked to fit this one; resume only from checkpoints that record them"
+            )
+        difference = first_difference(saved, self.record)
+        if difference is not None:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this run: {difference}. Resume with the "
+                "checkpoint's settings, or start in another checkpoint.folder"
+            )
+
+
+def state_bytes(*state_dicts: dict) -> int:
+    """Bytes of the tensors in (nested) state dicts: about what a checkpoint of them takes."""
+
+    def walk(value) -> int:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
+        if isinstance(value, list | tuple):
+            return sum(walk(v) for v in value)
+        return 0
+
+    return sum(walk(sd) for sd in state_dicts)
+
+
+def _check_parameters(path: Path, metadata, model_sd: dict) -> None:
+    """The checkpoint's model entries are exactly the model's: DCP loads the common ones and
+    leaves the rest, so a checkpoint of a deeper model would load into a shallower one."""
+    saved = {k[len("model.") :] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    expected = set(model_sd)
+    if saved != expected:
+        extra, missing = sorted(saved - expected), sorted(expected - saved)
+        what = []
+        if extra:
+            what.append(f"{len(extra)} the model does not have (first: {extra[0]})")
+        if missing:
+            what.append(f"{len(missing)} the checkpoint lacks (first: {missing[0]})")
+        raise CheckpointError(
+            f"checkpoint {path} holds other model parameters than this model: {'; '.join(what)}"
+        )

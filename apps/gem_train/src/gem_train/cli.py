@@ -112,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
         local_mfu(cfg)
         return 0
+    from gem_train.checkpoint import CheckpointError
     from gem_train.finite import NonFiniteError
+    from gem_train.supervision import SupervisorLost
     from gem_train.train import train
 
     try:
         summary = train(cfg)
-    except (ConfigError, NonFiniteError) as exc:  # a refusal, not a bug: no traceback
+    except (ConfigError, NonFiniteError, CheckpointError, SupervisorLost) as exc:
+        # a refusal or a stop, not a bug: the message, no traceback
         print(f"gem-train: error: {exc}", file=sys.stderr)
         return 1
     if summary["rank"] == 0:

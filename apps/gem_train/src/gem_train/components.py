@@ -17,13 +17,15 @@ import torch.distributed as dist
 from gem_parallel.embeddings import EmbeddingTables, RowwiseAdagrad
 from torch.distributed.tensor import DTensor
 
-from gem_train.checkpoint import Checkpointer
+from gem_train.checkpoint import Checkpointer, state_bytes
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import TrainBatches
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
 from gem_train.finite import FiniteGuard
 from gem_train.model import GemModel
 from gem_train.optimizations import apply_optimizations
+from gem_train.run_record import check_ranks_agree, resume_record
+from gem_train.supervision import Supervision
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Run:
     notes: list[str]
     fused_optimizers: list[RowwiseAdagrad]  # embedding tables that update in their backward
     guard: FiniteGuard  # the non-finite loss and gradient check of every step
+    supervision: Supervision  # stops a worker whose torchrun agent died
 
     def autocast(self):
         if self.cfg.lowprec.autocast_bf16:
@@ -190,6 +193,7 @@ def build_run(cfg: TrainConfig) -> Run:
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     rank, world = init_distributed(cfg, device)
+    check_ranks_agree(cfg, world=world)  # before any collective that differing configs break
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GemModel(cfg.model).to(device)
     batches = TrainBatches(
@@ -204,14 +208,15 @@ def build_run(cfg: TrainConfig) -> Run:
         notes.append("embeddings: row-wise Adagrad fused into the lookups' backward")
     optimizer = build_optimizer(cfg, model)
     eval_source = make_source(cfg, stream=EVAL_STREAM)
-    checkpointer = (
-        Checkpointer(cfg.checkpoint.folder, keep=cfg.checkpoint.keep)
-        if cfg.checkpoint.folder
-        else None
-    )
+    checkpointer = None
+    if cfg.checkpoint.folder:
+        record = resume_record(cfg, batches.source)
+        checkpointer = Checkpointer(cfg.checkpoint.folder, keep=cfg.checkpoint.keep, record=record)
+        # the parameters, and AdamW's two moments of each (created at the first step)
+        checkpointer.check_folder(needed_bytes=3 * state_bytes(model.state_dict()))
     torch.manual_seed(cfg.seed + 1 + rank)  # the training stream of random numbers, per rank
     guard = FiniteGuard(cfg, device=device, world=world)
     return Run(
         cfg, device, rank, world, model, optimizer, batches, eval_source, checkpointer, notes,
-        fused_optimizers, guard,
+        fused_optimizers, guard, Supervision(),
     )  # fmt: skip

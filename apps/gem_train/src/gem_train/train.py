@@ -6,9 +6,9 @@ this rank's next balanced batch (prepared in the background), compute both tasks
 summed BCE loss, step AdamW, report, and checkpoint when due. Nothing in a step waits for the
 device; an optional ``profiling.StepTimer`` times each phase. A ``finite.FiniteGuard`` watches
 the loss and gradients: a NaN or infinity stops the run at the next logging window or checkpoint
-(``NonFiniteError`` naming the step), or skips the step with ``optim.skip_nonfinite``. At the
-end it evaluates NE and AUC on held-out batches and returns the summary (also written to
-``metrics.summary_json``). However the run ends, the loader's thread, the progress bar, the
+(``NonFiniteError`` naming the step), or skips the step with ``optim.skip_nonfinite``. A worker
+whose ``torchrun`` agent died stops (``supervision.SupervisorLost``). At the end it evaluates NE
+and AUC on held-out batches and returns the summary (also written to ``metrics.summary_json``). However the run ends, the loader's thread, the progress bar, the
 TensorBoard writer and the process group are closed.
 """
 
@@ -29,16 +29,17 @@ from gem_train.reporting import Reporter
 
 def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
     t_start = time.perf_counter()
-    run = build_run(cfg)
-    reporter = None
+    run = reporter = None
     try:
+        run = build_run(cfg)
         start = resume(run)
         reporter = Reporter(run, start_step=start, t_start=t_start)
         return _loop(run, reporter, start, timer or StepTimer(run.device, enabled=False))
     finally:
-        # However the run ends: a loader thread left inside torch at interpreter exit aborts
-        # the process, and an unclosed writer loses its last events.
-        run.batches.close()
+        # However the run ends (building it included): a loader thread left inside torch at
+        # interpreter exit aborts the process, and an unclosed writer loses its last events.
+        if run is not None:
+            run.batches.close()
         if reporter is not None:
             reporter.close()
         if dist.is_initialized():
@@ -51,6 +52,7 @@ def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer) -> dict:
         reporter.print(note)
     run.model.train()
     for step in range(start, cfg.steps):
+        run.supervision.check(step)
         timer.begin()
         prepared = next(run.batches)  # shuffled, padded, pinned by the loader's thread
         batch, logits, loss = train_step(run, prepared, step, timer)
