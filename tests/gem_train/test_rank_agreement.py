@@ -1,7 +1,8 @@
-"""Ranks started with different flags refuse together at the start, naming the first field that
-differs, instead of deadlocking (a different ``--steps``), aborting inside gloo (a different
-``d_model``) or training apart (a different ``--seed``). Two gloo processes, spawned as in
-``test_checkpoint_distributed``."""
+"""Ranks agree: started with different flags they refuse together at the start, naming the first
+field that differs, instead of deadlocking (a different ``--steps``), aborting inside gloo (a
+different ``d_model``) or training apart (a different ``--seed``); and what is decided at run
+time from local measurements (AutoAC's plan) is one decision on every rank. Two gloo processes,
+spawned as in ``test_checkpoint_distributed``."""
 
 import os
 import sys
@@ -59,3 +60,52 @@ def test_ranks_with_different_flags_refuse_together_naming_the_field(
     )
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text().startswith(expected)
+
+
+def _autoac_worker(rank, world, port, result_dir):
+    import dataclasses
+    import json
+
+    import gem_memory
+    import torch
+    import torch.distributed as dist
+    from gem_train.components import make_source
+    from gem_train.model import GemModel
+    from gem_train.optimizations import apply_autoac
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    real, seen = gem_memory.plan_checkpointing, {}
+
+    def timed_apart(*args, budget_bytes, **kwargs):
+        """The real plan, then the policies this rank's own timings might pick."""
+        seen["budget"] = budget_bytes
+        plan = real(*args, budget_bytes=budget_bytes, **kwargs)
+        mine = {name: ("full" if rank == 1 else "keep") for name in plan.policies}
+        return dataclasses.replace(plan, policies=mine)
+
+    gem_memory.plan_checkpointing = timed_apart
+    cfg = small_config(memory__autoac=True, memory__budget_gib=(4, 2)[rank])
+    torch.manual_seed(0)
+    note = apply_autoac(GemModel(cfg.model), cfg, torch.device("cpu"), make_source(cfg), world=2)
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps([note, seen["budget"]]))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_autoac_is_one_plan_on_every_rank(tmp_path):
+    """Budgets and recompute timings differ per rank; the plan does not: every rank plans under
+    the smallest budget and applies rank 0's policies."""
+    import json
+
+    mp.start_processes(
+        _autoac_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    (note0, budget0), (note1, budget1) = (
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    )
+    assert budget0 == budget1 == 2 * 2**30
+    assert note0 == note1 and "=keep" in note0 and "=full" not in note0

@@ -8,7 +8,8 @@ sharding, since each later step wraps what the earlier ones produced):
    the interaction's first projection stay in full precision (the first and last layers are the
    most sensitive, as in every FP8 recipe).
 2. **AutoAC** (``memory.autoac``): ``gem_memory.plan_checkpointing`` profiles the blocks and
-   pooling layers on a real batch and picks a checkpointing policy per region under the budget.
+   pooling layers on a real batch and picks a checkpointing policy per region under the budget
+   (under several ranks: the smallest rank's budget, rank 0's plan broadcast).
 3. **torch.compile** (``compile``): each block is compiled on its own.
 4. **Parallelism** (under torchrun with several processes): embeddings are sharded by
    ``gem_parallel.shard_embeddings`` over all ranks, the dense tower by
@@ -55,7 +56,12 @@ def region_names(model: nn.Module) -> list[str]:
     ]
 
 
-def apply_autoac(model: nn.Module, cfg: TrainConfig, device: torch.device, sample_source) -> str:
+def apply_autoac(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, sample_source, *, world: int = 1
+) -> str:
+    """Plan and set a checkpointing policy per region. Under several ranks the plan is one
+    plan: the budget is the smallest of the ranks' (free memory differs), and rank 0's
+    policies, chosen from its own recompute timings, are broadcast and applied everywhere."""
     try:
         from gem_memory import plan_checkpointing
     except (ImportError, AttributeError) as exc:
@@ -71,11 +77,19 @@ def apply_autoac(model: nn.Module, cfg: TrainConfig, device: torch.device, sampl
         budget = int(0.6 * free) + torch.cuda.memory_allocated(device)
     else:
         raise RuntimeError("memory.autoac=true on the CPU needs an explicit memory.budget_gib")
+    if world > 1:
+        smallest = [None] * world
+        dist.all_gather_object(smallest, budget)
+        budget = min(smallest)
     with _autocast(cfg, device):
         plan = plan_checkpointing(
             model, (batch, max_len), budget_bytes=budget, regions=region_names(model),
             loss_fn=lambda logits: loss_of(logits, batch)[0],
         )  # fmt: skip
+    if world > 1:
+        chosen = [dict(plan.policies)]
+        dist.broadcast_object_list(chosen, src=0)
+        plan = dataclasses.replace(plan, policies=chosen[0])
     plan.apply(model)
     chosen = ", ".join(f"{name.removeprefix('dense.')}={p}" for name, p in plan.policies.items())
     return f"AutoAC under {budget / 2**30:.1f} GiB: {chosen}"
@@ -171,7 +185,7 @@ def apply_optimizations(
     if cfg.lowprec.recipe != "none":
         notes.append(apply_lowprec(model, cfg.lowprec.recipe))
     if cfg.memory.autoac:
-        notes.append(apply_autoac(model, cfg, device, sample_source))
+        notes.append(apply_autoac(model, cfg, device, sample_source, world=world))
     if cfg.compile:
         for block in model.dense.blocks:
             block.compile()
