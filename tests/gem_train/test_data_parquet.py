@@ -85,3 +85,51 @@ def test_errors_name_the_row_of_the_file_when_a_sub_batch_wraps(small, tmp_path)
     source = _source(small, tmp_path, lambda t: _set_row(t, "ad_id", 1, 10**9))
     with pytest.raises(ValueError, match=r"ad_id holds ids outside \[0, 200\) at row 1"):
         source.sub_batch(1)
+
+
+def _example(small, tmp_path, rows, name="rows.parquet"):
+    cfg = small()
+    path = tmp_path / name
+    write_example(str(path), cfg.data, cfg.model, rows=rows, row_group_rows=16)
+    return path
+
+
+def test_the_evaluation_reads_only_rows_that_training_never_reads(small, tmp_path):
+    """Without data.eval_path the last data.eval_fraction of the rows are held out: over two
+    epochs the training sub-batches never hold one, the evaluation holds only them, and the two
+    cover every row."""
+    from gem_train.components import make_source
+    from gem_train.data.synthetic import EVAL_STREAM
+
+    path = _example(small, tmp_path, rows=100)
+    cfg = small(data__source="parquet", data__path=str(path), data__eval_fraction=0.25)
+    train, evaluation = make_source(cfg), make_source(cfg, stream=EVAL_STREAM)
+    per_epoch = -(-train.num_rows // cfg.data.sub_batch_size)
+    trained = {int(r) for k in range(2 * per_epoch) for r in train.rows_of(k)}
+    evaluated = {int(r) for k in range(8) for r in evaluation.rows_of(k)}
+    assert trained == set(range(75)) and evaluated == set(range(75, 100))
+    users = pq.read_table(path).column("user_id").to_pylist()  # the rows themselves
+    size = cfg.data.sub_batch_size
+    assert evaluation.sub_batch(0).user.tolist() == users[75 : 75 + size]
+
+
+def test_an_eval_path_is_the_evaluation_and_training_reads_all_of_data_path(small, tmp_path):
+    from gem_train.components import make_source
+    from gem_train.data.synthetic import EVAL_STREAM
+
+    train_path = _example(small, tmp_path, rows=40)
+    eval_path = _example(small, tmp_path, rows=24, name="eval.parquet")
+    cfg = small(data__source="parquet", data__path=str(train_path), data__eval_path=str(eval_path))
+    train, evaluation = make_source(cfg), make_source(cfg, stream=EVAL_STREAM)
+    assert (train.num_rows, evaluation.num_rows, evaluation.path) == (40, 24, str(eval_path))
+
+
+def test_a_hold_out_that_leaves_nothing_is_refused_naming_the_field(small, tmp_path):
+    from gem_train.components import make_source
+
+    path = _example(small, tmp_path, rows=4)
+    cfg = small(data__source="parquet", data__path=str(path), data__eval_fraction=0.0)
+    with pytest.raises(ValueError, match="data.eval_fraction=0.0 of the 4 rows"):
+        make_source(cfg)
+    with pytest.raises(FileNotFoundError, match="data.eval_path"):
+        make_source(small(data__source="parquet", data__path=str(path), data__eval_path="nope"))

@@ -115,10 +115,13 @@ def init_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
 
 
 def make_source(cfg: TrainConfig, *, stream: int = 0):
+    """The training source (``stream`` 0) or the held-out evaluation's (``EVAL_STREAM``):
+    synthetic streams of their own, or the two sides of ``parquet.held_out_split``."""
     if cfg.data.source == "parquet":
-        from gem_train.data.parquet import ParquetSource
+        from gem_train.data.parquet import held_out_split
 
-        return ParquetSource(cfg.data, cfg.model)
+        train, evaluation = held_out_split(cfg.data, cfg.model)
+        return evaluation if stream == EVAL_STREAM else train
     return SyntheticStream(cfg.data, cfg.model, stream=stream)
 
 

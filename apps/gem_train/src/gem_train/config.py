@@ -167,6 +167,18 @@ class DataConfig:
     )
     shuffle: bool = opt(True, "balance batches with gem_loadbalance's Base Batch Shuffling")
     eval_batches: int = opt(16, "held-out batches for the final NE / AUC", at_least=0)
+    eval_path: str = opt(
+        "",
+        "Parquet file or folder of the evaluation's rows (empty: the last data.eval_fraction of "
+        "data.path's rows, which training then never reads)",
+    )
+    eval_fraction: float = opt(
+        0.1,
+        "the last fraction of data.path's rows held out for the evaluation when data.eval_path "
+        "is empty (source=parquet)",
+        at_least=0,
+        below=1,
+    )
     prefetch: int = opt(2, "batches assembled ahead by a background thread (0: none)", at_least=0)
 
     def __post_init__(self) -> None:

@@ -134,7 +134,7 @@ def _eval_batch(run: Run, index: int):
     source = run.eval_source
     if hasattr(source, "batch"):  # synthetic: a held-out stream
         return source.batch(index)
-    per_batch = run.cfg.data.batch_size // run.cfg.data.sub_batch_size  # Parquet: in-sample
+    per_batch = run.cfg.data.batch_size // run.cfg.data.sub_batch_size  # Parquet: held-out rows
     return type(source.sub_batch(0)).cat(
         [source.sub_batch(index * per_batch + k) for k in range(per_batch)]
     )

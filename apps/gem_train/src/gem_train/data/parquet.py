@@ -24,11 +24,13 @@ history is written as an empty list, never as a null: a null list has no defined
 (its offsets may span another row's values), and a reader that took its offsets at face value
 would hand out data that is not this row's. The source is a file or a folder of ``*.parquet``
 files (sorted by name); rows are served in order, sub-batch ``k`` holding rows ``k·s ... k·s + s −
-1`` counted modulo the row count, so epochs follow each other without dropping a row. Row groups
+1`` counted modulo the row count, so epochs follow each other without dropping a row. A source
+serves a range of the rows where a run holds some out for its evaluation (``held_out_split``). Row groups
 are read on demand (the last one read stays cached). ``write_example`` writes synthetic rows in
 this schema: the small generated example the tests read.
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -51,16 +53,43 @@ SCHEMA = pa.schema(
 )
 
 
-def _files(path: str) -> list[Path]:
+def _files(path: str, *, name: str) -> list[Path]:
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("*.parquet"))
         if not files:
-            raise FileNotFoundError(f"data.path {path!r} is a folder without *.parquet files")
+            raise FileNotFoundError(f"{name} {path!r} is a folder without *.parquet files")
         return files
     if not p.exists():
-        raise FileNotFoundError(f"data.path {path!r} does not exist")
+        raise FileNotFoundError(f"{name} {path!r} does not exist")
     return [p]
+
+
+def held_out_split(data: DataConfig, model: ModelConfig) -> tuple["ParquetSource", "ParquetSource"]:
+    """``(training, evaluation)`` sources of a Parquet run. With ``data.eval_path`` the
+    evaluation reads those files and training all of ``data.path``; without it the last
+    ``data.eval_fraction`` of ``data.path``'s rows are held out: training never reads them
+    (its sub-batches wrap within the rows before them) and the evaluation reads only them.
+
+    Raises:
+        ValueError: the hold-out would leave no rows to train on or none to evaluate on.
+    """
+    if data.eval_path:
+        return ParquetSource(data, model), ParquetSource(
+            data, model, path=data.eval_path, name="data.eval_path"
+        )
+    everything = ParquetSource(data, model)
+    total = everything.total_rows
+    held = math.ceil(total * data.eval_fraction)
+    if held >= total or (held == 0 and data.eval_batches):
+        raise ValueError(
+            f"data.eval_fraction={data.eval_fraction} of the {total} rows of data.path holds "
+            f"out {held}: it must leave rows to train on and, with data.eval_batches="
+            f"{data.eval_batches}, rows to evaluate; or give the evaluation its own data.eval_path"
+        )
+    train = ParquetSource(data, model, row_range=(0, total - held))
+    evaluation = ParquetSource(data, model, row_range=(total - held, total)) if held else None
+    return train, evaluation
 
 
 def _check_schema(file: Path, schema: pa.Schema) -> None:
@@ -73,20 +102,42 @@ def _check_schema(file: Path, schema: pa.Schema) -> None:
 
 
 class ParquetSource:
-    def __init__(self, data: DataConfig, model: ModelConfig):
+    """Sub-batches of the rows ``row_range`` of the Parquet files at ``path``.
+
+    Args:
+        data, model: the run's configs (sub-batch size, vocabulary sizes for the id checks).
+        path: a file or folder of ``*.parquet`` files; default ``data.path``.
+        row_range: ``(first, end)``, the rows of the files (counted from 0 over the files in
+            order) this source serves, wrapping from ``end`` back to ``first``; default all.
+        name: the config field the path came from, for errors.
+    """
+
+    def __init__(
+        self, data: DataConfig, model: ModelConfig, *, path: str | None = None,
+        row_range: tuple[int, int] | None = None, name: str = "data.path",
+    ):  # fmt: skip
         self.data, self.model = data, model
+        self.path = data.path if path is None else path
         self.groups = []  # (file, row group, first row, rows)
         first = 0
-        for file in _files(data.path):
+        for file in _files(self.path, name=name):
             meta = pq.ParquetFile(file)
             _check_schema(file, meta.schema_arrow)
             for g in range(meta.num_row_groups):
                 rows = meta.metadata.row_group(g).num_rows
                 self.groups.append((file, g, first, rows))
                 first += rows
-        self.num_rows = first
-        if self.num_rows == 0:
-            raise ValueError(f"data.path {data.path!r} holds no rows")
+        self.total_rows = first
+        if self.total_rows == 0:
+            raise ValueError(f"{name} {self.path!r} holds no rows")
+        self.row_range = (0, first) if row_range is None else row_range
+        lo, hi = self.row_range
+        if not 0 <= lo < hi <= first:
+            raise ValueError(
+                f"row_range must be (first, end) with 0 ≤ first < end ≤ {first} (the rows of "
+                f"{name} {self.path!r}), got {row_range}"
+            )
+        self.num_rows = hi - lo
         self._cached = (None, None)
 
     def _group(self, index: int) -> pa.Table:
@@ -104,9 +155,14 @@ class ParquetSource:
             pieces.append(self._group(int(gi)).take(pa.array(take)))
         return pa.concat_tables(pieces)
 
-    def sub_batch(self, index: int) -> Batch:
+    def rows_of(self, index: int) -> np.ndarray:
+        """The rows of the files that sub-batch ``index`` holds, in order."""
         size = self.data.sub_batch_size
-        rows = (np.arange(index * size, (index + 1) * size) % self.num_rows).astype(np.int64)
+        positions = np.arange(index * size, (index + 1) * size) % self.num_rows
+        return (self.row_range[0] + positions).astype(np.int64)
+
+    def sub_batch(self, index: int) -> Batch:
+        rows = self.rows_of(index)
         # Keep the order of ``rows`` when they span row groups (``_rows`` groups them).
         table = self._rows(np.sort(rows))
         order = np.argsort(np.argsort(rows, kind="stable"), kind="stable")
