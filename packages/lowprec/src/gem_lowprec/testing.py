@@ -5,8 +5,8 @@
 shuffled (small values meet large scales), as a ``[*, 64]`` matrix whose row count is a multiple
 of 32; ``special_matrix`` is a 64×64 bf16 matrix with a zero tile, NaN, ±Inf, subnormal blocks,
 the largest bf16 and a negative zero; ``top_binade_matrix`` holds a dtype's largest magnitudes
-(where an RCEIL scale meets the end of the dtype's range). ``assert_within_reference_error`` is the project's
-tolerance rule for kernels that are not bit-exact (the fused SwiGLU gate).
+(where an RCEIL scale meets the end of the dtype's range). ``assert_within_reference_error`` is
+the project's tolerance rule for kernels that are not bit-exact (the fused SwiGLU gate).
 """
 
 import math

@@ -3,8 +3,8 @@
 ``quantize_1d`` (blocks of 32 along one axis) and ``quantize_2d`` (32×32 tiles) take each
 block's amax from the largest ``|x|`` bit pattern and apply the codec's scale rule and element
 encoder (``gem_lowprec.codec``: why integers, and the bit-level rules), saturating where x's
-dtype's range ends, so that every finite input dequantizes to a finite value. ``merge_k128`` turns 1×32
-MX blocks along K into the 1×128 blocks of Hopper's blockwise fp8 GEMM.
+dtype's range ends, so that every finite input dequantizes to a finite value. ``merge_k128``
+turns 1×32 MX blocks along K into the 1×128 blocks of Hopper's blockwise fp8 GEMM.
 """
 
 import torch
