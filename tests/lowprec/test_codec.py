@@ -61,3 +61,24 @@ def test_format_description_is_one_object():
     assert codec.elem_format(torch.float8_e5m2) is E5M2
     with pytest.raises(TypeError, match="elem_dtype"):
         codec.elem_format(torch.float16)
+
+
+@pytest.mark.parametrize("elem", FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_range_limit_is_the_largest_element_that_stays_in_the_dtype(elem, dtype):
+    """``range_max_bits`` is, for every scale byte a finite input of the dtype can get, the
+    largest element whose value times the scale is below ``2^(range_emax + 1)`` (found by
+    decoding every byte in float64)."""
+    fmt = E4M3 if elem == torch.float8_e4m3fn else E5M2
+    top = codec.range_emax(dtype)
+    assert top == {torch.float16: 15}.get(dtype, 127)
+    assert torch.finfo(dtype).max < 2.0 ** (top + 1) <= 2 * torch.finfo(dtype).max
+    largest = torch.tensor([torch.finfo(dtype).max], dtype=dtype)
+    last_byte = int(codec.scale_bytes(codec.fp32_bits(largest), fmt, "rceil"))
+    assert last_byte == 127 + top - fmt.emax_exp + 1
+    values = torch.arange(fmt.max_bits + 1, dtype=torch.uint8).view(elem).double()
+    scale = torch.arange(last_byte + 1, dtype=torch.uint8)
+    got = codec.range_max_bits(scale, fmt, top)
+    fits = values[None, :] * torch.exp2(scale.double() - 127)[:, None] < 2.0 ** (top + 1)
+    want = torch.where(fits, torch.arange(fmt.max_bits + 1), -1).amax(dim=1)
+    assert torch.equal(got.to(torch.int64), want)

@@ -9,7 +9,9 @@ SwiGLU gate), a low-precision linear and FP8 all-gather for FSDP2.
 - ``rmsnorm_to_mx``: RMSNorm fused with 1×32 MX quantization.
 - ``swiglu``: the SwiGLU gate ``silu(a) ⊙ b`` in one pass each way.
 - ``LowPrecisionLinear`` and ``convert(model, recipe, skip=...)`` with the recipes ``mxfp8``,
-  ``fp8_rowwise`` and ``bf16``; ``Fp8Decisions`` holds which shapes fall back to BF16.
+  ``fp8_rowwise`` and ``bf16``; ``Fp8Decisions`` holds which shapes fall back to BF16, from an
+  ``Fp8Table`` made once and broadcast (``plan_fp8`` / ``restore_fp8`` / ``fp8_state``: every
+  rank chooses the same) or timed in the process.
 - ``hadamard``: seeded random Hadamard transform; ``fsdp``: the FP8 all-gather weight for FSDP2.
 
 Modules load on first use, so ``import gem_lowprec`` does not import triton.
@@ -29,6 +31,10 @@ _EXPORTS = {
     "swiglu": "gem_lowprec.ops.swiglu",
     "LowPrecisionLinear": "gem_lowprec.linear",
     "Fp8Decisions": "gem_lowprec.fallback",
+    "Fp8Table": "gem_lowprec.fp8_table",
+    "plan_fp8": "gem_lowprec.fp8_plan",
+    "restore_fp8": "gem_lowprec.fp8_plan",
+    "fp8_state": "gem_lowprec.fp8_plan",
     "convert": "gem_lowprec.conversion",
     "Recipe": "gem_lowprec.recipes",
     "recipe": "gem_lowprec.recipes",

@@ -13,10 +13,18 @@ decoder, the stochastic-rounding hash) plus the hardware-cast encoder, written f
   ±max and turns NaN into the format's NaN byte, so each element costs one multiply and half a
   packed cast instruction. Under the interpreter and for stochastic rounding, ``encode_int``,
   the codec's integer encoder. Both are checked bit for bit against the reference.
+- ``range_max_bits``: with ``RANGE_EMAX`` (an MX quantizer's input dtype, ``codec.range_emax``)
+  an element also saturates where its value times the scale would leave that dtype's range,
+  so that every finite input dequantizes to a finite value (``gem_lowprec.codec``). The
+  integer encoder lowers its ``min(bits, MAX_BITS)`` to that per-block limit at no cost; the
+  hardware path clamps the scaled value to the limit's value before the cast (one clamp per
+  element, NaN kept). ``RANGE_EMAX=None`` (the fp8 casts, the re-encode of a merge, whose
+  values are in range already) saturates at the format's maximum only.
 - ``decode``: fp8 bytes back to exact float32.
 
 The element format arrives as the constexprs of ``ElemFormat.kernel_constants`` (``E4M3``,
-``MBITS``, ``EMIN``, ``EMAX_EXP``, ``MAX_BITS``, ``MAX_VALUE``, ``NAN_BITS``).
+``MBITS``, ``EMIN``, ``EMAX_EXP``, ``MAX_BITS``, ``MAX_VALUE``, ``NAN_BITS``); the MX kernels
+add ``RANGE_EMAX`` for their input dtype.
 """
 
 import triton
@@ -54,16 +62,42 @@ def lowbias32(x):
 
 
 @triton.jit
-def encode_hw(x_f32, byte, E4M3: tl.constexpr):
+def range_max_bits(
+    byte,
+    RANGE_EMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+):
+    """Per block: the largest element bits whose value times ``2^(byte − 127)`` stays below
+    ``2^(RANGE_EMAX + 1)``, at most ``MAX_BITS`` (the codec's ``range_max_bits``)."""
+    bits = ((RANGE_EMAX - (byte - 127) - EMIN + 2) << MBITS) - 1
+    return tl.minimum(tl.maximum(bits, 0), MAX_BITS)
+
+
+@triton.jit
+def encode_hw(
+    x_f32,
+    byte,
+    max_bits,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
+):
     """fp8 bytes of x / 2^(byte − 127) through the hardware round-to-nearest-even cast.
 
     Per block (``byte`` is a block vector broadcast against ``x_f32``): ``2^−e``, or NaN for a
     NaN/Inf block, so that every element of such a block becomes NaN by the product alone. Per
     element: one multiply and the ``satfinite`` cast, which saturates to ±max and maps NaN to the
-    format's NaN byte (0x7F for both formats), as the reference does."""
+    format's NaN byte (0x7F for both formats), as the reference does. With ``RANGE_EMAX`` the
+    product is first clamped to the value of the block's ``max_bits`` (NaN passes through)."""
     inv_scale = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^−e
     inv_scale = tl.where(byte == 255, float("nan"), inv_scale)
     v = x_f32 * inv_scale
+    if RANGE_EMAX is not None:
+        limit = decode(max_bits, E4M3, MBITS, EMIN, True)
+        v = tl.clamp(v, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     if E4M3:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
@@ -74,13 +108,14 @@ def encode_int(
     x_bits,
     byte,
     noise,
+    max_bits,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
-    MAX_BITS: tl.constexpr,
     NAN_BITS: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
-    """fp8 bytes of x / 2^(byte − 127) by integer arithmetic (the reference's ``encode``)."""
+    """fp8 bytes of x / 2^(byte − 127) by integer arithmetic (the reference's ``encode``),
+    saturated at ``max_bits`` (``MAX_BITS``, or a block's ``range_max_bits``)."""
     sign = (x_bits >> 31) & 1
     magnitude = x_bits & 0x7FFFFFFF
     biased_exp = magnitude >> 23
@@ -105,7 +140,7 @@ def encode_int(
         round_up = (remainder > half) | ((remainder == half) & (half > 0) & ((n & 1) == 1))
         n = n + round_up.to(tl.int32)
     out = ((exp_scaled - EMIN) << MBITS) + n
-    out = tl.minimum(tl.where(sig == 0, 0, out), MAX_BITS)
+    out = tl.minimum(tl.where(sig == 0, 0, out), max_bits)
     return tl.where(byte == 255, NAN_BITS, out | (sign << 7))
 
 
@@ -122,15 +157,21 @@ def encode(
     NAN_BITS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
 ):
     """uint8 fp8 bytes of ``x_f32 / 2^(byte − 127)``, ``byte`` broadcast per block. The hardware
     cast on a GPU, the integer encoder under the interpreter and for stochastic rounding (with
     ``noise``, 32 random bits per element). ``MAX_VALUE`` stays in the shared signature (the
-    fp8 casts pass it): the ``satfinite`` cast saturates at it by itself."""
+    fp8 casts pass it): the ``satfinite`` cast saturates at it by itself. ``RANGE_EMAX``: the
+    input dtype's ``range_emax`` (saturate where its range ends too), or None."""
+    if RANGE_EMAX is None:
+        max_bits = MAX_BITS
+    else:
+        max_bits = range_max_bits(byte, RANGE_EMAX, MBITS, EMIN, MAX_BITS)
     if HW_CONVERT and not STOCHASTIC:
-        return encode_hw(x_f32, byte, E4M3)
+        return encode_hw(x_f32, byte, max_bits, E4M3, MBITS, EMIN, RANGE_EMAX)
     x_bits = x_f32.to(tl.int32, bitcast=True)
-    q = encode_int(x_bits, byte, noise, MBITS, EMIN, MAX_BITS, NAN_BITS, STOCHASTIC)
+    q = encode_int(x_bits, byte, noise, max_bits, MBITS, EMIN, NAN_BITS, STOCHASTIC)
     return q.to(tl.uint8)
 
 

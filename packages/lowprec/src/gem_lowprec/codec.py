@@ -38,10 +38,24 @@ codec reads the float32 bits and does everything on integers:
    shifting ``sig`` right by the difference of exponents with round-half-even gives the integer
    ``n`` of steps, and the E4M3/E5M2 bit pattern is ``((max(E, emin) − emin) << mbits) + n`` (a
    carry into the next binade falls out of the addition). Saturation is ``min(bits,
-   max_bits)``; the sign is put back last, so a value that rounds to zero keeps its sign, as a
-   hardware cast does.
+   max_bits)``, with ``max_bits`` lowered where the range of the input's dtype ends (below);
+   the sign is put back last, so a value that rounds to zero keeps its sign, as a hardware
+   cast does.
 4. Decode (``decode``): ``fp8 · 2^e`` in float32 is exact (byte 0 is 2^−127, a float32
    subnormal; 0xFF is NaN).
+
+**Where the input's range ends.** RCEIL scales a block's amax into the format's top binade, and
+the rounding can carry it into the next: the largest bf16, ``1.99 · 2^127``, gets ``e = 120``
+and rounds to ``256 · 2^120 = 2^128``, past float32. So an element also saturates at the
+largest element value ``v`` with ``v · 2^e < 2^(range_emax + 1)``, where ``range_emax`` is the
+exponent of the largest binade of the quantized tensor's dtype (``range_emax``: 127 for float32
+and bfloat16, 15 for float16; ``range_max_bits`` gives the bit pattern per block). Every finite
+input then dequantizes to a finite value, in float32 and in its own dtype. It changes only
+RCEIL blocks whose elements reach the last 1/32 (E4M3) or 1/16 (E5M2) of the dtype's top binade
+(they become ``1.875 · 2^range_emax`` and ``1.75 · 2^range_emax``; with stochastic rounding any
+element above those may), never a FLOOR block: FLOOR's ``e = E − emax_exp`` saturates at
+``1.75 · 2^E`` by the format's own maximum. The scale byte itself never needs the clamp at 254
+for a finite input (the largest is ``254 − emax_exp + 1``).
 
 Stochastic rounding replaces the half-even step by adding ``r`` bits of noise below the kept bit
 before truncating (unbiased in expectation). The noise is a counter-based hash (``lowbias32``)
@@ -50,6 +64,7 @@ can reproduce it. Elements more than 32 bits below the kept bit (below ~2^−8 o
 smallest subnormal step) round to zero.
 """
 
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -66,6 +81,8 @@ __all__ = [
     "encode",
     "fp32_bits",
     "lowbias32",
+    "range_emax",
+    "range_max_bits",
     "scale_bytes",
     "scale_to_float",
     "seed_key",
@@ -130,6 +147,24 @@ def elem_format(elem_dtype: torch.dtype) -> ElemFormat:
     return _FORMATS[elem_dtype]
 
 
+def range_emax(dtype: torch.dtype) -> int:
+    """The exponent of the largest binade of a float dtype: 127 for float32 and bfloat16, 15 for
+    float16 (every finite value of it is below ``2^(range_emax + 1)``)."""
+    return math.frexp(torch.finfo(dtype).max)[1] - 1
+
+
+def range_max_bits(scale: torch.Tensor, fmt: ElemFormat, range_emax: int) -> torch.Tensor:
+    """Per block (int32, the shape of ``scale``): the largest element bit pattern whose value
+    times ``2^(scale − 127)`` stays below ``2^(range_emax + 1)``, at most ``fmt.max_bits``.
+
+    That value is ``(2 − 2^−mbits) · 2^(range_emax − e)``, the last of binade ``range_emax − e``,
+    whose exponent field is ``range_emax − e − emin + 1``. A finite input of the dtype gets
+    ``e ≤ range_emax − emax_exp + 1``, so the binade is one of the format's normal ones (the
+    formula is not meant for larger ``e``: a NaN block's byte gets some limit, and NaN data)."""
+    e = scale.to(torch.int32) - SCALE_BIAS
+    return (((range_emax - e - fmt.emin + 2) << fmt.mbits) - 1).clamp(0, fmt.max_bits)
+
+
 def fp32_bits(x: torch.Tensor) -> torch.Tensor:
     """The float32 bit patterns of ``x`` (any float dtype, widened exactly) as int32."""
     return x.to(torch.float32).contiguous().view(torch.int32)
@@ -148,7 +183,12 @@ def scale_bytes(amax_bits: torch.Tensor, fmt: ElemFormat, scale_mode: str) -> to
 
 
 def encode(
-    x_bits: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, noise: torch.Tensor | None = None
+    x_bits: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: ElemFormat,
+    noise: torch.Tensor | None = None,
+    *,
+    range_emax: int | None = None,
 ) -> torch.Tensor:
     """fp8 bit patterns (uint8) of ``x / 2^(scale − 127)``.
 
@@ -158,6 +198,10 @@ def encode(
         fmt: the element format.
         noise: int64 in [0, 2^32), like ``x_bits``; switches from round-half-even to
             stochastic rounding.
+        range_emax: ``range_emax`` of the dtype x came from: elements also saturate where
+            their value times the scale would leave that dtype's range (``range_max_bits``).
+            None saturates at the format's maximum only (a cast whose result a GEMM scales
+            in float32, not an MX tensor to dequantize).
     """
     wide = torch.int64 if noise is not None else torch.int32  # sig + noise needs 33 bits
     bits = x_bits.to(torch.int32)
@@ -192,7 +236,11 @@ def encode(
         n = torch.where(in_reach, n, 0).to(torch.int32)
 
     out = ((exp_scaled - fmt.emin) << fmt.mbits) + n
-    out = torch.where(sig == 0, torch.zeros_like(out), out).clamp(max=fmt.max_bits)
+    out = torch.where(sig == 0, torch.zeros_like(out), out)
+    if range_emax is None:
+        out = out.clamp(max=fmt.max_bits)
+    else:
+        out = torch.minimum(out, range_max_bits(scale, fmt, range_emax))
     out = torch.where(scale == SCALE_NAN, torch.full_like(out, fmt.nan_bits), out | (sign << 7))
     return out.to(torch.uint8)
 

@@ -8,7 +8,8 @@ than BF16, runs ``F.linear`` instead and says so once. A checkpoint recomputatio
 choice its own forward made, so the saved tensors of both passes match.
 
 ``measure_pending(model)`` and ``fallback_report(model)`` reach the decisions of every
-low-precision linear in a model.
+low-precision linear in a model; ``use_decisions(model, decisions)`` gives them all one
+(``gem_lowprec.fp8_plan`` builds a table-mode one, the same on every rank).
 """
 
 import torch
@@ -19,7 +20,13 @@ from gem_lowprec._linear_fp8 import UnitScales, fp8_linear
 from gem_lowprec.fallback import Fp8Decisions
 from gem_lowprec.recipes import Recipe
 
-__all__ = ["LowPrecisionLinear", "fallback_report", "measure_pending"]
+__all__ = [
+    "LowPrecisionLinear",
+    "decisions_of",
+    "fallback_report",
+    "measure_pending",
+    "use_decisions",
+]
 
 _CHOICES_KEPT = 64  # token counts whose last choice a module remembers for recomputation
 
@@ -105,7 +112,8 @@ class LowPrecisionLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
 
-def _decisions_of(model: nn.Module) -> list[Fp8Decisions]:
+def decisions_of(model: nn.Module) -> list[Fp8Decisions]:
+    """The distinct ``Fp8Decisions`` objects of ``model``'s low-precision linears."""
     seen: dict[int, Fp8Decisions] = {}
     for module in model.modules():
         if isinstance(module, LowPrecisionLinear):
@@ -117,13 +125,35 @@ def measure_pending(model: nn.Module) -> int:
     """``Fp8Decisions.measure_pending()`` for every decisions object of ``model``'s
     low-precision linears; returns how many shapes were timed. Call it between training steps
     (a plain context: timing inside checkpointed or hooked regions is never allowed)."""
-    return sum(decisions.measure_pending() for decisions in _decisions_of(model))
+    return sum(decisions.measure_pending() for decisions in decisions_of(model))
 
 
 def fallback_report(model: nn.Module) -> dict[tuple, str]:
     """``{(recipe, M bucket, K, N, dtype): reason}`` for every shape of ``model``'s
     low-precision linears that ran in BF16."""
     report: dict[tuple, str] = {}
-    for decisions in _decisions_of(model):
+    for decisions in decisions_of(model):
         report.update(decisions.fallback_report())
     return report
+
+
+def use_decisions(model: nn.Module, decisions: Fp8Decisions) -> int:
+    """Give every low-precision linear of ``model`` ``decisions`` (and ``convert``'s report,
+    ``model.lowprec_conversion``, if there is one); returns how many linears took it. Each
+    forgets the choices it kept for recomputation, which the old decisions made.
+
+    Raises:
+        TypeError: ``decisions`` is not an ``Fp8Decisions``.
+    """
+    if not isinstance(decisions, Fp8Decisions):
+        raise TypeError(f"decisions must be an Fp8Decisions, got {type(decisions).__name__}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LowPrecisionLinear):
+            module.decisions = decisions
+            module._choice_by_m.clear()
+            count += 1
+    report = getattr(model, "lowprec_conversion", None)
+    if report is not None:
+        report.decisions = decisions
+    return count

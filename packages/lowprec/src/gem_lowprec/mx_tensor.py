@@ -83,8 +83,9 @@ class MXTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``fp8 · 2^e`` computed exactly in float32, then cast to ``dtype``.
 
-        A block whose amax is within 1/8 binade of the largest float can round up to 2^128
-        (e.g. the largest bf16 becomes 256 · 2^120): that value dequantizes to ±inf.
+        Finite for every finite input, in float32 and in the quantized tensor's own dtype: the
+        quantizers saturate an element that would round past that dtype's range (the largest
+        bf16 becomes ``240 · 2^120``, not ``256 · 2^120 = 2^128``; ``gem_lowprec.codec``).
         """
         return decode(self.data, self.scale_per_element(), dtype)
 

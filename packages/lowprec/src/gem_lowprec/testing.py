@@ -4,9 +4,12 @@
 ``every_pattern_matrix`` arranges them twice, in bit order (blocks of like magnitude) and
 shuffled (small values meet large scales), as a ``[*, 64]`` matrix whose row count is a multiple
 of 32; ``special_matrix`` is a 64×64 bf16 matrix with a zero tile, NaN, ±Inf, subnormal blocks,
-the largest bf16 and a negative zero. ``assert_within_reference_error`` is the project's
-tolerance rule for kernels that are not bit-exact (the fused SwiGLU gate).
+the largest bf16 and a negative zero; ``top_binade_matrix`` holds a dtype's largest magnitudes
+(where an RCEIL scale meets the end of the dtype's range). ``assert_within_reference_error`` is
+the project's tolerance rule for kernels that are not bit-exact (the fused SwiGLU gate).
 """
+
+import math
 
 import torch
 
@@ -15,6 +18,7 @@ __all__ = [
     "assert_within_reference_error",
     "every_pattern_matrix",
     "special_matrix",
+    "top_binade_matrix",
 ]
 
 _EPS = {
@@ -55,6 +59,30 @@ def special_matrix() -> torch.Tensor:
     x[10, 35] = big[0]
     x[11, 36] = -big[0]
     return x
+
+
+def top_binade_matrix(dtype: torch.dtype) -> torch.Tensor:
+    """128×128 of ``dtype`` (bfloat16, float16 or float32) at its largest magnitudes.
+
+    Rows 0-31 are ±the largest finite value (every 1×32 block, 32×1 block and 32×32 tile of them
+    holds nothing else); rows 32-127 hold every bit pattern of the top binade (float32: the
+    1024 largest and 1024 spread over the binade) with both signs, one in four replaced by an
+    ordinary value, shuffled so that blocks mix them.
+    """
+    info = torch.finfo(dtype)
+    mbits = round(-math.log2(info.eps))
+    top_exp = math.frexp(info.max)[1] - 1
+    mantissas = torch.arange(1 << mbits, dtype=torch.float64)
+    if mantissas.numel() > 2048:
+        mantissas = torch.cat([mantissas[:: mantissas.numel() // 1024], mantissas[-1024:]])
+    binade = (1 + mantissas / 2.0**mbits) * 2.0**top_exp
+    gen = torch.Generator().manual_seed(2)
+    tail = torch.cat([binade, -binade]).repeat(96 * 128 // (2 * binade.numel()) + 1)[: 96 * 128]
+    ordinary = torch.randn(tail.shape, generator=gen, dtype=torch.float64)
+    tail = torch.where(torch.rand(tail.shape, generator=gen) < 0.25, ordinary, tail)
+    tail = tail[torch.randperm(tail.numel(), generator=gen)].view(96, 128)
+    signs = torch.where(torch.rand(32, 128, generator=gen) < 0.5, -1.0, 1.0).double()
+    return torch.cat([signs * info.max, tail]).to(dtype)
 
 
 def _max_abs_err(x: torch.Tensor, ref64: torch.Tensor) -> float:

@@ -59,10 +59,11 @@ def cast_at_scale(
     NAN_BITS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
 ):
-    """fp8 bytes of ``x / 2^(byte − 127)``, rounded to nearest-even and saturated (the MX
-    encoder with one scale byte per element's row or column)."""
+    """fp8 bytes of ``x / 2^(byte − 127)``, rounded to nearest-even and saturated at the
+    format's maximum (the MX encoder with one scale byte per element's row or column; a GEMM
+    scales the result in float32, so no input range applies)."""
     return encode(
-        x, byte, byte, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+        x, byte, byte, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False, None
     )
 
 

@@ -11,6 +11,7 @@ nothing is padded or truncated silently. The bits are DESIGN.md's "MX semantics"
 ``reference.py`` and ``gem_lowprec.codec``.
 """
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -144,12 +145,18 @@ def to_mx(
     elif axis == x.dim() - 1:
         k = x.shape[-1]
         row_data, row_scale, _, _ = quantize(
-            x.contiguous().view(-1, k), elem, scale_mode, "rows", seed_value, backend, t
+            x.contiguous().view(math.prod(x.shape[:-1]), k),
+            elem,
+            scale_mode,
+            "rows",
+            seed_value,
+            backend,
+            t,
         )
         data, scale = row_data.view(x.shape), row_scale.view(*x.shape[:-1], k // 32)
     else:
         moved = x.movedim(axis, -1)
-        flat = moved.contiguous().reshape(-1, moved.shape[-1])
+        flat = moved.contiguous().view(math.prod(moved.shape[:-1]), moved.shape[-1])
         row_data, row_scale, _, _ = quantize(flat, elem, scale_mode, "rows", seed_value, backend, t)
         data = row_data.view(moved.shape).movedim(-1, axis)
         scale = row_scale.view(*moved.shape[:-1], moved.shape[-1] // 32).movedim(-1, axis)
@@ -192,7 +199,8 @@ def to_mx_2d(
     check_divisible(x, -1, 32, what="tile edge")
     *lead, m, n = x.shape
     data, scale, _, _ = quantize(
-        x.contiguous().reshape(-1, n), _elem_name(fmt), scale_mode, "tile2d", -1, backend,
+        x.contiguous().view(math.prod(lead) * m, n), _elem_name(fmt), scale_mode, "tile2d", -1,
+        backend,
         _tile_ints(tiles),
     )  # fmt: skip
     return MXTensor(

@@ -2,8 +2,9 @@
 
 ``quantize_1d`` (blocks of 32 along one axis) and ``quantize_2d`` (32×32 tiles) take each
 block's amax from the largest ``|x|`` bit pattern and apply the codec's scale rule and element
-encoder (``gem_lowprec.codec``: why integers, and the bit-level rules). ``merge_k128`` turns 1×32
-MX blocks along K into the 1×128 blocks of Hopper's blockwise fp8 GEMM.
+encoder (``gem_lowprec.codec``: why integers, and the bit-level rules), saturating where x's
+dtype's range ends, so that every finite input dequantizes to a finite value. ``merge_k128``
+turns 1×32 MX blocks along K into the 1×128 blocks of Hopper's blockwise fp8 GEMM.
 """
 
 import torch
@@ -12,6 +13,7 @@ from gem_lowprec.codec import (
     ElemFormat,
     encode,
     fp32_bits,
+    range_emax,
     scale_bytes,
     scale_to_float,
     stochastic_noise,
@@ -39,7 +41,7 @@ def quantize_1d(
         moved_shape = x.movedim(axis, -1).shape
         flat = torch.arange(x.numel(), dtype=torch.int64).view(moved_shape)
         noise = stochastic_noise(_blocks_last(flat), seed)
-    data = encode(bits, scale, fmt, noise)
+    data = encode(bits, scale, fmt, noise, range_emax=range_emax(x.dtype))
     data = data.flatten(-2).movedim(-1, axis)
     return data, scale.squeeze(-1).movedim(-1, axis)
 
@@ -52,7 +54,7 @@ def quantize_2d(
     bits = fp32_bits(x).reshape(*lead, m // 32, 32, n // 32, 32)
     amax = (bits & 0x7FFFFFFF).amax(dim=(-3, -1), keepdim=True)
     scale = scale_bytes(amax, fmt, scale_mode)
-    data = encode(bits, scale, fmt).reshape(x.shape)
+    data = encode(bits, scale, fmt, range_emax=range_emax(x.dtype)).reshape(x.shape)
     return data, scale.reshape(*lead, m // 32, n // 32)
 
 

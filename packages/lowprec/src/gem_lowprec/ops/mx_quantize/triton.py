@@ -25,7 +25,8 @@ Stages of every program:
 2. Reduce those patterns to the block amax and turn each amax into its E8M0 byte (the integer
    rule of the codec), once per block, not per element.
 3. Encode the elements (``_triton_codec.encode``: the hardware cast on a GPU, the integer
-   encoder under the interpreter and for stochastic rounding).
+   encoder under the interpreter and for stochastic rounding), saturating where the input
+   dtype's range ends (``RANGE_EMAX``), so that every finite input dequantizes finite.
 4. Store the fp8 bytes and the scale bytes.
 
 Launch shapes live in one small dataclass per kernel (``RowsTiles``, ``Tile2dTiles``,
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 from gem_lowprec._intmath import cdiv
 from gem_lowprec._triton_codec import decode, encode, load_as_float32, lowbias32, scale_byte
-from gem_lowprec.codec import ElemFormat, seed_key
+from gem_lowprec.codec import ElemFormat, range_emax, seed_key
 from gem_lowprec.ops.launch import AUTO_LAUNCH, Launch
 
 
@@ -61,6 +62,7 @@ def mx_quantize_rows_kernel(
     MAX_BITS: tl.constexpr,
     MAX_VALUE: tl.constexpr,
     NAN_BITS: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
     RCEIL: tl.constexpr,
     HW_CONVERT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -104,6 +106,7 @@ def mx_quantize_rows_kernel(
         NAN_BITS,
         HW_CONVERT,
         STOCHASTIC,
+        RANGE_EMAX,
     )
     if MERGE_K128:
         G: tl.constexpr = BLOCKS // 4
@@ -125,6 +128,7 @@ def mx_quantize_rows_kernel(
             NAN_BITS,
             HW_CONVERT,
             False,
+            None,  # the merged values are in range already
         )
         grp_G = tl.program_id(0) * G + tl.arange(0, G)
         group_bits = tl.where(byte_G == 0, 0x00400000, byte_G << 23)  # 2^-127 is subnormal
@@ -156,6 +160,7 @@ def mx_quantize_tile2d_kernel(
     MAX_BITS: tl.constexpr,
     MAX_VALUE: tl.constexpr,
     NAN_BITS: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
     RCEIL: tl.constexpr,
     HW_CONVERT: tl.constexpr,
     IN_BF16: tl.constexpr,
@@ -193,6 +198,7 @@ def mx_quantize_tile2d_kernel(
         NAN_BITS,
         HW_CONVERT,
         False,
+        RANGE_EMAX,
     )
     tl.store(data_ptr + offs, q, mask=mask)
     tl.store(
@@ -222,6 +228,7 @@ def mx_quantize_rowcol_kernel(
     MAX_BITS: tl.constexpr,
     MAX_VALUE: tl.constexpr,
     NAN_BITS: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
     RCEIL: tl.constexpr,
     HW_CONVERT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -265,6 +272,7 @@ def mx_quantize_rowcol_kernel(
             NAN_BITS,
             HW_CONVERT,
             STOCHASTIC,
+            RANGE_EMAX,
         )
         tl.store(row_data_ptr + offs_MK, q_r, mask=in_bounds)
         rows_r = mb[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
@@ -292,6 +300,7 @@ def mx_quantize_rowcol_kernel(
         NAN_BITS,
         HW_CONVERT,
         STOCHASTIC,
+        RANGE_EMAX,
     )
     tl.store(col_data_ptr + offs_KM, q_c, mask=in_bounds)
     cols_c = kb[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
@@ -365,11 +374,12 @@ def needs_wide_index(x: torch.Tensor) -> bool:
 
 def launch_constants(x: torch.Tensor, fmt: ElemFormat, scale_mode: str, launch: Launch) -> dict:
     """The constexprs every MX kernel shares: the format, the scale rule, the encoder, the input
-    dtype and the index width."""
+    dtype (its load and the end of its range) and the index width."""
     return dict(
         RCEIL=scale_mode == "rceil",
         HW_CONVERT=launch.hardware_encoder(x),
         IN_BF16=x.dtype == torch.bfloat16,
+        RANGE_EMAX=range_emax(x.dtype),
         WIDE_INDEX=needs_wide_index(x),
         **fmt.kernel_constants,
     )

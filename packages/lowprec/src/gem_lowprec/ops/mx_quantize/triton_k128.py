@@ -12,7 +12,8 @@ intermediate:
   (stored transposed), the operands of the GEMMs that contract over C and over R. Its scales are
   stored outer-dim-major, the layout cuBLAS's 1×128 blockwise GEMM takes for either operand.
 
-Per element: MX-encode at the 1×32 block's byte, decode, multiply by ``2^−(group − byte)`` and
+Per element: MX-encode at the 1×32 block's byte (saturating where the input dtype's range
+ends, as ``to_mx`` does), decode, multiply by ``2^−(group − byte)`` and
 re-encode at scale 2^0 (``merge_to_k128``): exact unless a value leaves the normal range, where
 the re-encode rounds to nearest-even, as the reference's fp8 cast does.
 """
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from gem_lowprec._triton_codec import decode, encode, load_as_float32, scale_byte, scale_float
-from gem_lowprec.codec import ElemFormat
+from gem_lowprec.codec import ElemFormat, range_emax
 from gem_lowprec.ops.launch import AUTO_LAUNCH, Launch
 from gem_lowprec.ops.mx_quantize.triton import (
     RowsTiles,
@@ -44,15 +45,20 @@ def merge_to_k128(
     MAX_VALUE: tl.constexpr,
     NAN_BITS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
 ):
-    """fp8 bytes of x in a 1×128 block: MX-encode at the 1×32 block's byte, then shift down by
-    ``byte_group − byte`` whole binades and re-encode at scale 2^0 (``scaled_matmul.merge_k128``)."""
-    q = encode(x, byte, byte, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False)
+    """fp8 bytes of x in a 1×128 block: MX-encode at the 1×32 block's byte (saturating where
+    the input dtype's range ends), then shift down by ``byte_group − byte`` whole binades and
+    re-encode at scale 2^0 (``scaled_matmul.merge_k128``; the shifted values are in range)."""
+    q = encode(
+        x, byte, byte, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False,
+        RANGE_EMAX,
+    )  # fmt: skip
     down = ((127 - tl.minimum(byte_group - byte, 126)) << 23).to(tl.float32, bitcast=True)
     v = decode(q.to(tl.int32), E4M3, MBITS, EMIN, HW_CONVERT) * down
     unit = tl.where(byte_group == 255, 255, 127)
     return encode(
-        v, unit, unit, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False
+        v, unit, unit, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT, False, None
     )
 
 
@@ -75,6 +81,7 @@ def mx_rowcol_k128_kernel(
     RCEIL: tl.constexpr,
     HW_CONVERT: tl.constexpr,
     IN_BF16: tl.constexpr,
+    RANGE_EMAX: tl.constexpr,
 ):
     """One 128×128 tile, read once as ``[4, 32, 4, 32]`` (row block, row, column block, column):
     MX 1×32 blocks along C merged into 1×128 (row-major copy, a float32 scale per row and
@@ -94,7 +101,17 @@ def mx_rowcol_k128_kernel(
     byte_r = scale_byte(tl.max(abs_bits, axis=3, keep_dims=True), EMAX_EXP, RCEIL)
     group_r = tl.max(byte_r, axis=2, keep_dims=True)
     q = merge_to_k128(
-        x, byte_r, group_r, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
+        x,
+        byte_r,
+        group_r,
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        RANGE_EMAX,
     )
     tl.store(data_ptr + rows * C + cols, q)
     rows_128 = (pid_r * 128 + tl.arange(0, 128)).to(tl.int64)
@@ -103,7 +120,17 @@ def mx_rowcol_k128_kernel(
     byte_c = scale_byte(tl.max(abs_bits, axis=1, keep_dims=True), EMAX_EXP, RCEIL)
     group_c = tl.max(byte_c, axis=0, keep_dims=True)
     q_t = merge_to_k128(
-        x, byte_c, group_c, E4M3, MBITS, EMIN, MAX_BITS, MAX_VALUE, NAN_BITS, HW_CONVERT
+        x,
+        byte_c,
+        group_c,
+        E4M3,
+        MBITS,
+        EMIN,
+        MAX_BITS,
+        MAX_VALUE,
+        NAN_BITS,
+        HW_CONVERT,
+        RANGE_EMAX,
     )
     tl.store(data_t_ptr + cols * R + rows, q_t)
     cols_128 = (pid_c * 128 + tl.arange(0, 128)).to(tl.int64)
@@ -123,7 +150,7 @@ def mx_quantize_merged_k128(
     M, K = x_MK.shape
     data = torch.empty((M, K), dtype=torch.uint8, device=x_MK.device)
     group_scale = torch.empty((M, K // 128), dtype=torch.float32, device=x_MK.device)
-    if M == 0:
+    if M == 0 or K == 0:
         return data, group_scale
     constants = launch_constants(x_MK, fmt, scale_mode, launch)
     t = tiles or default_tiles(x_MK, launch)[0]
@@ -150,6 +177,6 @@ def mx_rowcol_k128(
         mx_rowcol_k128_kernel[(R // 128, C // 128)](
             as_kernel_input(x), data, scale, data_t, scale_t, R, C, RCEIL=scale_mode == "rceil",
             HW_CONVERT=launch.hardware_encoder(x), IN_BF16=x.dtype == torch.bfloat16,
-            **fmt.kernel_constants, **num_warps,
+            RANGE_EMAX=range_emax(x.dtype), **fmt.kernel_constants, **num_warps,
         )  # fmt: skip
     return data, scale, data_t, scale_t

@@ -5,6 +5,7 @@ float32, so there is one rounding, not two). One ``torch.library`` custom op (``
 Triton on CUDA tensors, the reference on CPU tensors.
 """
 
+import math
 from dataclasses import astuple
 from typing import TYPE_CHECKING
 
@@ -80,7 +81,7 @@ def rmsnorm_to_mx(
             f"x's last dim must be at most {MAX_FEATURES} for the fused kernel, got {n}"
         )
     data, scale = rmsnorm_mx(
-        x.contiguous().reshape(-1, n),
+        x.contiguous().view(math.prod(x.shape[:-1]), n),
         weight.contiguous(),
         float(eps),
         str(fmt.dtype).removeprefix("torch."),

@@ -84,6 +84,7 @@ def rmsnorm_mx_kernel(
         NAN_BITS,
         HW_CONVERT,
         False,
+        127,  # RANGE_EMAX of float32, the dtype of y
     )
     # Stage 4: store bytes and scales.
     tl.store(data_ptr + offs, q, mask=mask)
@@ -132,7 +133,7 @@ def rmsnorm_mx(
     data = torch.empty((M, N), dtype=torch.uint8, device=dev)
     scale = torch.empty((M, N // 32), dtype=torch.uint8, device=dev)
     y = torch.empty((M, N) if store_y else 0, dtype=torch.float32, device=dev)
-    if M == 0:
+    if M == 0 or N == 0:
         return data, scale, y
     if tiles is None:
         tiles = GPU_TILES if launch.gpu_shapes(x_MN) else INTERPRETER_TILES
