@@ -50,3 +50,10 @@ def test_the_command_line_exits_cleanly(flags, tmp_path, extra, code, message):
     assert done.returncode == code, done.stderr[-3000:]
     assert message in done.stderr
     assert "terminate called" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_that_fits_nowhere_is_an_error_without_a_traceback():
+    done = _cli(["plan", "--config", "gem-large"])
+    assert done.returncode == 1
+    assert "gem-train plan: error: gem-large fits nowhere" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "plan":
         from gem_train.mfu import print_plan
 
-        print_plan(cfg, gpus=args.gpus)
+        try:
+            print_plan(cfg, gpus=args.gpus)
+        except ValueError as exc:  # fits nowhere, bad topology: an answer, not a bug
+            print(f"gem-train plan: error: {exc}", file=sys.stderr)
+            return 1
         return 0
     if cfg.name in PLAN_ONLY:
         print(
