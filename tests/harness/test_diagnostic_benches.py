@@ -29,6 +29,7 @@ def assert_plotted(message: str, path: Path) -> None:
         ("host_profile.py", ["--top", "3"], "launch paths"),
         ("bench_kernel_breakdown.py", ["--only", "J3"], "kernel time per fwd+bwd step"),
         ("bench_energy.py", ["--rounds", "1"], "energy per call, CPU smoke run"),
+        ("host_waits.py", ["--steps", "1", "--warmup", "1"], "steps queued in"),
     ],
 )
 def test_diagnostic_benchmark_smoke_runs(script, args, expected):
@@ -191,3 +192,29 @@ def test_back_to_back_loop_is_sized_by_the_first_windows_device_time(monkeypatch
     windows = common.back_to_back_ms(lambda: calls.append(1), seconds=1.0, window=20)
     # 1 s of device time at 40 ms a window: 25 windows of 20 calls, the sizing window included
     assert (windows, len(calls)) == ([2.0] * 25, 500)
+
+
+def test_long_calls_finds_a_blocking_call_with_its_stack_in_any_thread():
+    sys.path.insert(0, str(DIAGNOSTICS))
+    import threading
+    import time
+
+    from host_waits import LongCalls
+
+    def blocks_in_a_thread():
+        time.sleep(0.06)
+
+    hook = LongCalls(0.04)
+    hook.install()
+    try:
+        time.sleep(0.001)  # short: not reported
+        time.sleep(0.05)
+        thread = threading.Thread(target=blocks_in_a_thread, name="worker")
+        thread.start()
+        thread.join()
+    finally:
+        hook.remove()
+    found = {(name, thread) for _, thread, name, _ in hook.found if name == "sleep"}
+    assert found == {("sleep", "MainThread"), ("sleep", "worker")}
+    worker = next(where for _, thread, _, where in hook.found if thread == "worker")
+    assert "blocks_in_a_thread" in "".join(worker)
