@@ -64,6 +64,35 @@ def test_flex_history_attention_computes_the_jagged_model(small):
         torch.testing.assert_close(grads_j[name], grads_f[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_radius_zero_is_no_bias_in_every_attention_kind(small):
+    """``model.rel_bias_radius=0`` builds no bias parameter (the kernels' no-bias paths), and the
+    model is the one whose bias is zero (as every bias starts): jagged, padded and flex agree."""
+    lengths = {"data__min_len": 0, "data__median_len": 2, "data__sigma": 1.5}
+    with_bias = small(**lengths)
+    batch = _batch(with_bias)
+    _, loss_b, _ = _loss_and_grads(with_bias, batch)
+    kinds = {
+        "jagged": {},
+        "padded": {"model__attention": "padded"},
+        "flex": {"model__attention": "flex"},
+    }
+    results = {}
+    for kind, flags in kinds.items():
+        model, loss, grads = _loss_and_grads(
+            small(**lengths, **flags, model__rel_bias_radius=0), batch
+        )
+        assert not [n for n, _ in model.named_parameters() if "rel_bias" in n], kind
+        results[kind] = (loss, grads)
+    loss_j, grads_j = results["jagged"]
+    torch.testing.assert_close(loss_j, loss_b, rtol=1e-5, atol=1e-6)
+    for kind in ("padded", "flex"):
+        loss, grads = results[kind]
+        torch.testing.assert_close(loss, loss_j, rtol=1e-5, atol=1e-6, msg=kind)
+        assert grads.keys() == grads_j.keys()
+        for name in grads_j:
+            torch.testing.assert_close(grads[name], grads_j[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.skipif(not torchrec_available(), reason="torchrec is not installed")
 def test_torchrec_and_native_embeddings_agree(small):
     native, torchrec = small(), small(model__embeddings="torchrec")

@@ -57,7 +57,12 @@ class ModelConfig:
     )
     block_size: int = opt(64, "BlockAttention block length in tokens", at_least=1)
     rope_theta: float = opt(10000.0, "BlockAttention RoPE base", above=0)
-    rel_bias_radius: int = opt(32, "relative-position bias buckets on each side (R)", at_least=0)
+    rel_bias_radius: int = opt(
+        32,
+        "relative-position bias buckets on each side (R); 0: no bias (a one-bucket bias adds one "
+        "constant per head to every score, which softmax ignores)",
+        at_least=0,
+    )
     ffn: str = opt("swiglu", "feed-forward of each block: swiglu or moe")
     ffn_hidden: int = opt(128, "SwiGLU hidden width (per expert for moe)", at_least=1)
     fused_swiglu: bool = opt(

@@ -110,8 +110,11 @@ class HistorySelfAttention(nn.Module):
         self.sdpa_call_elements = sdpa_call_elements
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
+        # R = 0 would add one constant per head to every score, which softmax ignores: no bias
+        # then, so the kernels take their no-bias paths.
+        learned = kind != "block" and rel_bias_radius > 0
         self.rel_bias = (
-            nn.Parameter(torch.zeros(n_heads, 2 * rel_bias_radius + 1)) if kind != "block" else None
+            nn.Parameter(torch.zeros(n_heads, 2 * rel_bias_radius + 1)) if learned else None
         )
 
     def forward(
@@ -123,7 +126,8 @@ class HistorySelfAttention(nn.Module):
         q, k, v = self.qkv(x_TD).view(total, 3, self.n_heads, self.head_dim).unbind(1)
         if self.kind == "flex":
             masks = _need_masks(masks, "model.attention")
-            o = masks.attend("history", q, k, v, score_mod=relative_bias_score_mod(self.rel_bias))
+            bias = None if self.rel_bias is None else relative_bias_score_mod(self.rel_bias)
+            o = masks.attend("history", q, k, v, score_mod=bias)
         elif self.kind == "jagged":
             o = _op("jagged_flash_attention")(q, k, v, layout, causal=True, rel_bias=self.rel_bias)
         elif self.kind == "block":
