@@ -306,6 +306,12 @@ class LowPrecConfig:
         "multiple of this and its sample count of 16: aligned fp8 GEMMs, few distinct shapes (0: off)",
         at_least=0,
     )
+    fp8_plan: str = opt(
+        "measure",
+        "how each linear shape picks fp8 or BF16, once before training and the same on every "
+        "rank: measure (rank 0 times both on its GPU at the token counts of a sample batch; the "
+        "shape rule on the CPU) or rule (fp8 wherever the kernels take the shape)",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -314,6 +320,7 @@ class LowPrecConfig:
         """Raises ``ConfigError`` naming the first bad field (ranges, choices)."""
         check_numbers("lowprec", self)
         require_choice("lowprec.recipe", self.recipe, ("none", "bf16", "mxfp8", "fp8_rowwise"))
+        require_choice("lowprec.fp8_plan", self.fp8_plan, ("measure", "rule"))
 
 
 @dataclass

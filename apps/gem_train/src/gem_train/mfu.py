@@ -152,9 +152,9 @@ def local_mfu_of(cfg: TrainConfig, *, reps: int = 20) -> dict:
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = GemModel(cfg.model).to(device)
-    if cfg.lowprec.recipe != "none":
-        apply_lowprec(model, cfg.lowprec.recipe)
     source = make_source(cfg)
+    if cfg.lowprec.recipe != "none":  # the trainer's fp8 choices, made as it makes them
+        apply_lowprec(model, cfg, device, source)
     per_batch = cfg.data.batch_size // cfg.data.sub_batch_size
     batch = Batch.cat([source.sub_batch(k) for k in range(per_batch)])
     lengths = batch.lengths.numpy()

@@ -38,14 +38,71 @@ def _missing(flag: str, what: str, exc: Exception) -> RuntimeError:
     return RuntimeError(f"{flag} needs {what}, which is not available here ({exc}); switch it off")
 
 
-def apply_lowprec(model: nn.Module, recipe: str) -> str:
+def apply_lowprec(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, sample_source, *, world: int = 1
+) -> str:
+    """Convert the dense tower's linears, then decide fp8 or BF16 per shape once, before
+    training, identically on every rank (``gem_lowprec.plan_fp8``: rank 0 builds the table,
+    every rank receives it): measured at the token counts a sample batch gives each linear
+    (``lowprec.fp8_plan=measure``; the shape rule on the CPU, whose timings say nothing of a
+    GPU's), or by the shape rule alone (``rule``). No linear times itself during training."""
+    recipe = cfg.lowprec.recipe
     try:
-        from gem_lowprec import convert
+        from gem_lowprec import LowPrecisionLinear, convert
+        from gem_lowprec.fp8_plan import plan_fp8
     except (ImportError, AttributeError) as exc:
         raise _missing(f"lowprec.recipe={recipe}", "gem_lowprec.convert", exc) from exc
     convert(model.dense, recipe, skip=KEEP_FULL_PRECISION)
     report = model.dense.lowprec_conversion
-    return f"low precision {recipe}: {len(report.converted)} linears converted, {len(report.skipped)} kept"
+    note = f"low precision {recipe}: {len(report.converted)} linears converted, {len(report.skipped)} kept"
+    linears = [m for m in model.dense.modules() if isinstance(m, LowPrecisionLinear)]
+    if not linears:
+        return note
+    tokens = _tokens_per_linear(model, cfg, device, sample_source, linears)
+    autocast = cfg.lowprec.autocast_bf16 and device.type == "cuda"
+    x_dtype = torch.bfloat16 if autocast else linears[0].weight.dtype
+    # the shape rule: a measure that keeps fp8 wherever the kernels take the shape
+    rule = (
+        (lambda *args: (True, "shape rule: lowprec.fp8_plan=rule"))
+        if cfg.lowprec.fp8_plan == "rule"
+        else None
+    )
+    decisions = plan_fp8(model.dense, device=device, m_values=tokens, x_dtype=x_dtype, measure=rule)
+    if not decisions.table.entries:  # no fp8 recipe (bf16): nothing to choose
+        return note
+    fp8 = sum(choice.keep_fp8 for choice in decisions.table.entries.values())
+    return f"{note}; fp8 for {fp8} of {len(decisions.table.entries)} (shape, tokens) keys ({cfg.lowprec.fp8_plan}, the same on all {world} ranks)"
+
+
+def _tokens_per_linear(model, cfg, device, sample_source, linears) -> list[int]:
+    """The token counts (M of each GEMM) the linears see in one forward of a sample batch."""
+    seen: set[int] = set()
+
+    def record(module, args):
+        seen.add(args[0].numel() // module.in_features)
+
+    hooks = [linear.register_forward_pre_hook(record) for linear in linears]
+    batch, max_len = sample_batch(cfg, sample_source, device)
+    try:
+        with torch.no_grad(), _autocast(cfg, device):
+            model(batch, max_len)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sorted(m for m in seen if m > 0)
+
+
+def sample_batch(cfg: TrainConfig, sample_source, device: torch.device):
+    """``(batch, longest history)``: one local batch of the source's first sub-batches on
+    ``device``, padded as the loader pads training batches (``lowprec.token_multiple``)."""
+    per_batch = cfg.data.batch_size // cfg.data.sub_batch_size
+    batch = type(sample_source.sub_batch(0)).cat(
+        [sample_source.sub_batch(k) for k in range(per_batch)]
+    )
+    if cfg.lowprec.token_multiple:
+        batch = batch.padded(token_multiple=cfg.lowprec.token_multiple)
+    batch = batch.to(device)
+    return batch, int(batch.lengths.max())
 
 
 def region_names(model: nn.Module) -> list[str]:
@@ -66,10 +123,7 @@ def apply_autoac(
         from gem_memory import plan_checkpointing
     except (ImportError, AttributeError) as exc:
         raise _missing("memory.autoac=true", "gem_memory.plan_checkpointing", exc) from exc
-    batch = sample_source.sub_batch(0)
-    per_batch = cfg.data.batch_size // cfg.data.sub_batch_size
-    batch = type(batch).cat([sample_source.sub_batch(k) for k in range(per_batch)]).to(device)
-    max_len = int(batch.lengths.max())
+    batch, max_len = sample_batch(cfg, sample_source, device)
     if cfg.memory.budget_gib > 0:
         budget = int(cfg.memory.budget_gib * 2**30)
     elif device.type == "cuda":
@@ -183,7 +237,7 @@ def apply_optimizations(
     """Apply what ``cfg`` switches on; returns the model and one line per optimisation applied."""
     notes = []
     if cfg.lowprec.recipe != "none":
-        notes.append(apply_lowprec(model, cfg.lowprec.recipe))
+        notes.append(apply_lowprec(model, cfg, device, sample_source, world=world))
     if cfg.memory.autoac:
         notes.append(apply_autoac(model, cfg, device, sample_source, world=world))
     if cfg.compile:

@@ -155,11 +155,13 @@ class Reporter:
             self.print(f"step {row['step']:>6}  {status}")
 
     def finish(
-        self, evaluation: dict, notes: list[str], *, skipped_nonfinite_steps: int = 0
-    ) -> dict:
+        self, evaluation: dict, notes: list[str], *, skipped_nonfinite_steps: int = 0,
+        fp8_decisions: dict | None = None,
+    ) -> dict:  # fmt: skip
         """The run's summary (written to ``metrics.summary_json`` on rank 0); closes the progress
         bar and the TensorBoard writer. ``skipped_nonfinite_steps``: steps skipped for a NaN or
-        infinite loss or gradient (``optim.skip_nonfinite``)."""
+        infinite loss or gradient (``optim.skip_nonfinite``); ``fp8_decisions``: the
+        low-precision linears' fp8-or-BF16 table and the choices made (None: no such linears)."""
         self.close()
         steady = self.steady
         world = self.run.world
@@ -183,6 +185,7 @@ class Reporter:
             "device": str(self.run.device),
             "optimisations": notes,
             "skipped_nonfinite_steps": skipped_nonfinite_steps,
+            "fp8_decisions": fp8_decisions,
             "losses": self.losses,
             "history": self.history,
         }

@@ -28,7 +28,7 @@ from gem_train.config import ConfigError, TrainConfig, fields_of
 # data state do not depend on them.
 MAY_CHANGE_ON_RESUME = (
     "name", "steps", "device", "compile", "cpu_threads", "data.path", "data.eval_batches",
-    "data.eval_path", "data.prefetch", "optim.skip_nonfinite", "parallel.backend", "checkpoint.", "metrics.",
+    "data.eval_path", "data.prefetch", "optim.skip_nonfinite", "parallel.backend", "lowprec.fp8_plan", "checkpoint.", "metrics.",
     "memory.",
 )  # fmt: skip
 

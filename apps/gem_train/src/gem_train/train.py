@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from gem_lowprec.linear import measure_pending
 
 from gem_train.components import Run, build_run
 from gem_train.config import TrainConfig
@@ -63,7 +62,10 @@ def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer) -> dict:
         every = cfg.checkpoint.every
         if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
             save(run, step + 1)
-    return reporter.finish(evaluate(run), run.notes, skipped_nonfinite_steps=guard.skipped)
+    return reporter.finish(
+        evaluate(run), run.notes, skipped_nonfinite_steps=guard.skipped,
+        fp8_decisions=fp8_decisions(run),
+    )  # fmt: skip
 
 
 def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
@@ -85,15 +87,15 @@ def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
     if run.guard.allows_step(step, loss, run.model):
         run.clip_gradients()
         run.optimizer.step()
-    measure_pending(run.model)  # fp8-vs-BF16 timings of linears first met in checkpointed blocks
     timer.mark("optimizer")
     return batch, logits, loss
 
 
 def save(run: Run, step: int) -> None:
-    run.checkpointer.save(
-        step, run.model, run.optimizer, {"step": step, "data": run.batches.state_dict()}
-    )
+    state = {"step": step, "data": run.batches.state_dict()}
+    if (fp8 := fp8_decisions(run)) is not None:
+        state["fp8"] = fp8  # a resume makes the saved choices, whatever it would measure now
+    run.checkpointer.save(step, run.model, run.optimizer, state)
 
 
 def resume(run: Run) -> int:
@@ -105,7 +107,25 @@ def resume(run: Run) -> int:
         return 0
     state = run.checkpointer.load(path, run.model, run.optimizer)
     run.batches.load_state_dict(state["data"])
+    if "fp8" in state and fp8_decisions(run) is not None:
+        from gem_lowprec.fp8_plan import restore_fp8
+
+        restore_fp8(run.model.dense, state["fp8"])
     return int(state["step"])
+
+
+def fp8_decisions(run: Run) -> dict | None:
+    """The fp8-or-BF16 table the low-precision linears share and the choices made from it
+    (``gem_lowprec.fp8_plan.fp8_state``), or None without low-precision linears."""
+    if run.cfg.lowprec.recipe == "none":
+        return None
+    from gem_lowprec.linear import decisions_of
+
+    if not decisions_of(run.model.dense):
+        return None
+    from gem_lowprec.fp8_plan import fp8_state
+
+    return fp8_state(run.model.dense)
 
 
 @torch.no_grad()
