@@ -109,3 +109,55 @@ def test_autoac_is_one_plan_on_every_rank(tmp_path):
     )
     assert budget0 == budget1 == 2 * 2**30
     assert note0 == note1 and "=keep" in note0 and "=full" not in note0
+
+
+def _fp8_worker(rank, world, port, result_dir):
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from gem_lowprec.fallback import m_bucket
+    from gem_lowprec.linear import decisions_of
+    from gem_train.components import make_source
+    from gem_train.model import GemModel
+    from gem_train.optimizations import _tokens_per_linear, apply_lowprec
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    # the ranks' sample batches differ (another data seed on rank 1): their token counts do
+    cfg = small_config(lowprec__recipe="mxfp8", model__d_model=128, model__ffn_hidden=256,
+                       data__seed=rank, data__median_len=(8, 20)[rank])  # fmt: skip
+    torch.manual_seed(0)
+    model = GemModel(cfg.model)
+    apply_lowprec(model, cfg, torch.device("cpu"), make_source(cfg), world=2)
+    (decisions,) = decisions_of(model.dense)
+    linears = [m for m in model.dense.modules() if hasattr(m, "recipe")]
+    own = sorted(
+        {
+            m_bucket(m)
+            for m in _tokens_per_linear(model, cfg, torch.device("cpu"), make_source(cfg), linears)
+        }
+    )
+    table = decisions.state_dict()["table"]
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps([table, own]))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_fp8_choices_are_rank_zeros_table_on_every_rank(tmp_path):
+    """Each rank's sample batch gives other token counts, but only rank 0 builds the table and
+    every rank holds it: the same fp8-or-BF16 choice for every (shape, tokens) key."""
+    import json
+
+    mp.start_processes(
+        _fp8_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    (table0, own0), (table1, own1) = (
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    )
+    assert own0 != own1  # rank 1 alone would have built a table for other token counts
+    assert table0 == table1 and table0["entries"]
+    assert sorted({row["m_bucket"] for row in table0["entries"]}) == own0
