@@ -5,8 +5,12 @@
 - Without a CUDA device, sets ``TRITON_INTERPRET=1`` *before* anything imports triton, so the
   Triton kernels run on the CPU through Triton's interpreter.
 - Skips ``gpu`` tests without CUDA and ``multigpu`` tests without at least two devices.
+- Stops at once, naming the extras, where torchrec is installed without FBGEMM: the workspace
+  was synced without ``--extra cpu`` or ``--extra cuda``, and every torchrec test would fail on
+  an import deep inside torchrec.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -36,6 +40,16 @@ settings.load_profile(
         "HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI", "").lower() == "true" else "dev"
     )
 )
+
+
+def pytest_configure(config):
+    if importlib.util.find_spec("torchrec") and not importlib.util.find_spec("fbgemm_gpu"):
+        pytest.exit(
+            "torchrec is installed without FBGEMM (fbgemm_gpu), so the environment was synced "
+            "without an extra: run the tests as `uv run --extra cpu pytest`, or with "
+            "`--extra cuda` on a CUDA machine",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 def pytest_collection_modifyitems(config, items):

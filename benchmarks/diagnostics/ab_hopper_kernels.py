@@ -7,12 +7,12 @@
     python benchmarks/diagnostics/ab_hopper_kernels.py /tmp/backward_base.py --module backward
 
 The other file is loaded as a module of the ``hopper`` package (its relative imports resolve
-there) and its kernels swapped into the launchers before each call. Each variant gets its own inputs and
-offsets, so its launch plans are its own. Prints the outputs' and gradients' largest
-difference, five alternating ``do_bench`` rounds (25 / 100 ms) of eager forward and forward +
-backward steps with their per-round ratios, and J1's steps back to back for 1 s a side (ms,
-mean SM MHz, mJ per step): the power limit makes a short measurement flatter a kernel that
-draws more power (docs/history/performance.md, 2026-12-02).
+there) and its kernels swapped into the launchers (``hopper/launch.py``) before each call. Each
+variant gets its own inputs and offsets, so its launch plans are its own. Prints the outputs' and
+gradients' largest difference, five alternating ``do_bench`` rounds (25 / 100 ms) of eager
+forward and forward + backward steps with their per-round ratios, and J1's steps back to back
+for 1 s a side (ms, mean SM MHz, mJ per step): the power limit makes a short measurement
+flatter a kernel that draws more power (docs/history/performance.md, 2026-12-02).
 """
 
 import argparse
@@ -29,7 +29,7 @@ import attention_bench as ab  # noqa: E402
 import bench_jagged_flash_attention as bj  # noqa: E402
 import common  # noqa: E402
 from gem_jagged.ops.jagged_flash_attention import hopper  # noqa: E402
-from gem_jagged.ops.jagged_flash_attention.hopper import backward, forward  # noqa: E402
+from gem_jagged.ops.jagged_flash_attention.hopper import backward, forward, launch  # noqa: E402
 
 KERNELS = {
     "forward": ("_jfa_fwd_hopper_kernel",),
@@ -59,7 +59,7 @@ def steps(w, kernels: dict):
 
     def use():
         for name, kernel in kernels.items():
-            setattr(hopper, name, kernel)
+            setattr(launch, name, kernel)  # the launchers read their kernels there
 
     def fwd():
         use()

@@ -23,6 +23,7 @@ from gem_jagged.ops.jagged_flash_attention.config import (
     config_for,
     regime_for,
 )
+from gem_jagged.ops.jagged_flash_attention.hopper import launch as hopper_launch
 from gem_jagged.ops.jagged_flash_attention.reference import jagged_flash_attention_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
 from hypothesis import given
@@ -815,13 +816,13 @@ def _spy_on_hopper(monkeypatch) -> list:
     still run; the config passed picks the path)."""
     launches = []
     for kernel in ("forward", "dkdv", "dq"):
-        launch = getattr(hopper, f"launch_{kernel}")
+        launch = getattr(hopper_launch, f"launch_{kernel}")
 
         def spy(*args, _kernel=kernel, _launch=launch, **kwargs):
             launches.append((_kernel, kwargs))
             return _launch(*args, **kwargs)
 
-        monkeypatch.setattr(hopper, f"launch_{kernel}", spy)
+        monkeypatch.setattr(hopper_launch, f"launch_{kernel}", spy)
     return launches
 
 
@@ -845,21 +846,21 @@ def test_hopper_kernels_take_only_rows_16_byte_copies_can_tile():
 
 def test_hopper_descriptor_memo_hands_back_only_what_describes_the_same_rows():
     """An eager forward makes K's and V's TMA descriptors once for its backward's dQ launch
-    (``hopper.row_descriptor`` with a memo); a descriptor is reused only for the same memory,
+    (``hopper_launch.row_descriptor`` with a memo); a descriptor is reused only for the same memory,
     shape, strides, dtype and block height."""
     k = torch.zeros(256, 2, 128, dtype=torch.bfloat16)
     memo = {}
-    first = hopper.row_descriptor(k, 64, memo)
-    assert hopper.row_descriptor(k, 64, memo) is first
-    assert hopper.row_descriptor(k.view(256, 2, 128), 64, memo) is first  # same rows
+    first = hopper_launch.row_descriptor(k, 64, memo)
+    assert hopper_launch.row_descriptor(k, 64, memo) is first
+    assert hopper_launch.row_descriptor(k.view(256, 2, 128), 64, memo) is first  # same rows
     assert first.block_shape == [64, 128] and first.shape == [256, 256]
     others = [
-        hopper.row_descriptor(k, 32, memo),  # another block height
-        hopper.row_descriptor(k[64:], 64, memo),  # other memory
-        hopper.row_descriptor(k[:128], 64, memo),  # same start, fewer rows
-        hopper.row_descriptor(torch.zeros_like(k), 64, memo),
-        hopper.row_descriptor(k.view(torch.float16), 64, memo),  # another dtype
-        hopper.row_descriptor(k, 64, None),  # no memo: always a new one
+        hopper_launch.row_descriptor(k, 32, memo),  # another block height
+        hopper_launch.row_descriptor(k[64:], 64, memo),  # other memory
+        hopper_launch.row_descriptor(k[:128], 64, memo),  # same start, fewer rows
+        hopper_launch.row_descriptor(torch.zeros_like(k), 64, memo),
+        hopper_launch.row_descriptor(k.view(torch.float16), 64, memo),  # another dtype
+        hopper_launch.row_descriptor(k, 64, None),  # no memo: always a new one
     ]
     assert all(d is not first for d in others)
     assert len({id(d) for d in others}) == len(others)

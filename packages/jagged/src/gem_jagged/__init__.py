@@ -18,6 +18,20 @@ and does not import triton.
 """
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+try:
+    __version__ = version("gem-jagged")
+except PackageNotFoundError:  # the source tree on PYTHONPATH (the GPU image), not installed
+    __version__ = "0.1.0"
+
+# Type checkers read these imports; at run time ``__getattr__`` below imports on first use.
+if TYPE_CHECKING:
+    from gem_jagged.batch import JaggedBatch
+    from gem_jagged.ops.block_attention import block_attention
+    from gem_jagged.ops.gdpa import gdpa
+    from gem_jagged.ops.jagged_flash_attention import jagged_flash_attention
 
 _OPS = {
     "jagged_flash_attention": "gem_jagged.ops.jagged_flash_attention",
@@ -26,7 +40,7 @@ _OPS = {
     "JaggedBatch": "gem_jagged.batch",
 }
 
-__all__ = list(_OPS)
+__all__ = ["JaggedBatch", "block_attention", "gdpa", "jagged_flash_attention"]
 
 
 def __getattr__(name: str):

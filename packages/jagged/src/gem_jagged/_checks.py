@@ -7,6 +7,7 @@ them once per batch, and the ops compare what it read with their tensors' token 
 """
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -22,11 +23,47 @@ def check_backend(backend: str) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` takes Triton on CUDA tensors and the reference on CPU tensors."""
+    """``auto`` takes Triton on CUDA tensors and the reference on CPU tensors; a Triton choice
+    is checked to be runnable (``check_triton_runs``)."""
     check_backend(backend)
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        backend = "triton" if device.type == "cuda" else "reference"
+    if backend == "triton":
+        check_triton_runs(device)
     return backend
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton's interpreter is on: ``TRITON_INTERPRET`` read as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+
+
+@functools.cache
+def _triton_import_error() -> str | None:
+    """Why triton cannot be imported, or None; asked once, on the first Triton-backend call."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def check_triton_runs(device: torch.device) -> None:
+    """The Triton backend needs triton, and a CUDA device or Triton's interpreter (without it
+    Triton finds no driver for CPU tensors and fails deep inside the launch)."""
+    if (reason := _triton_import_error()) is not None:
+        raise RuntimeError(
+            f"backend 'triton' (chosen by backend='auto' for CUDA tensors, or passed) needs the "
+            f"triton package, which cannot be imported ({reason}); triton ships for Linux: "
+            "install it there, or pass backend='reference'"
+        )
+    if device.type != "cuda" and not triton_interpreting():
+        raise ValueError(
+            f"backend='triton' got tensors on {device}, but Triton runs tensors off CUDA only "
+            "through its interpreter, which is off: move the tensors to a CUDA device, set "
+            "TRITON_INTERPRET=1 in the environment before triton is first imported, or pass "
+            "backend='reference' (or 'auto', which takes the reference on CPU tensors)"
+        )
 
 
 def check_values(name: str, x: torch.Tensor, *, ndim: int = 3) -> None:

@@ -12,6 +12,8 @@
 - ``python -m gem_loadbalance.simulate``: measure the balance on workload B1.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from .cost import CostModel, expected_sample_cost, fit_cost_model, sample_cost
 from .integrations import (
     KJTRow,
@@ -25,6 +27,11 @@ from .integrations import (
 from .local_batch import batch_target, plan_local_batch
 from .partition import METHODS, max_over_mean, part_loads, partition
 from .shuffler import BaseBatchShuffler, ShufflerConfig, ShufflerStats
+
+try:
+    __version__ = version("gem-loadbalance")
+except PackageNotFoundError:  # the source tree on PYTHONPATH (the GPU image), not installed
+    __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",

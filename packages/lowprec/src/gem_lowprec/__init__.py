@@ -18,6 +18,32 @@ Modules load on first use, so ``import gem_lowprec`` does not import triton.
 """
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+try:
+    __version__ = version("gem-lowprec")
+except PackageNotFoundError:  # the source tree on PYTHONPATH (the GPU image), not installed
+    __version__ = "0.1.0"
+
+# Type checkers read these imports; at run time ``__getattr__`` below imports on first use.
+if TYPE_CHECKING:
+    from gem_lowprec.conversion import convert
+    from gem_lowprec.fallback import Fp8Decisions
+    from gem_lowprec.fp8_plan import fp8_state, plan_fp8, restore_fp8
+    from gem_lowprec.fp8_table import Fp8Table
+    from gem_lowprec.linear import LowPrecisionLinear
+    from gem_lowprec.mx_tensor import MXLayout, MXTensor
+    from gem_lowprec.ops.mx_quantize import (
+        quantize_mx_k128,
+        quantize_mx_k128_rowcol,
+        to_mx,
+        to_mx_2d,
+        to_mx_rowcol,
+    )
+    from gem_lowprec.ops.rmsnorm_mx import rmsnorm_to_mx
+    from gem_lowprec.ops.swiglu import swiglu
+    from gem_lowprec.recipes import Recipe, recipe
 
 _EXPORTS = {
     "MXTensor": "gem_lowprec.mx_tensor",
@@ -40,7 +66,26 @@ _EXPORTS = {
     "recipe": "gem_lowprec.recipes",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "MXTensor",
+    "MXLayout",
+    "to_mx",
+    "to_mx_2d",
+    "to_mx_rowcol",
+    "quantize_mx_k128",
+    "quantize_mx_k128_rowcol",
+    "rmsnorm_to_mx",
+    "swiglu",
+    "LowPrecisionLinear",
+    "Fp8Decisions",
+    "Fp8Table",
+    "plan_fp8",
+    "restore_fp8",
+    "fp8_state",
+    "convert",
+    "Recipe",
+    "recipe",
+]
 
 
 def __getattr__(name: str):

@@ -19,12 +19,19 @@ tensors), ``policies`` (applying a policy to a module), ``regions`` (which modul
 dynamic program), ``plan`` (the public entry point).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from .meter import measure_peak
 from .plan import CheckpointPlan, plan_checkpointing
 from .policies import POLICIES, set_policy
 from .profile import ModelProfile, profile_model
 from .quantize import FORMATS, PackingStats, QuantizedConfig, quantized_activations
 from .regions import default_regions
+
+try:
+    __version__ = version("gem-memory")
+except PackageNotFoundError:  # the source tree on PYTHONPATH (the GPU image), not installed
+    __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointPlan",

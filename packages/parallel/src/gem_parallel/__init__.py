@@ -11,6 +11,27 @@ load (say, an optional back end) fails only when it is used, with the reason.
 """
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+try:
+    __version__ = version("gem-parallel")
+except PackageNotFoundError:  # the source tree on PYTHONPATH (the GPU image), not installed
+    __version__ = "0.1.0"
+
+# Type checkers read these imports; at run time ``__getattr__`` below imports on first use.
+if TYPE_CHECKING:
+    from gem_parallel import collectives
+    from gem_parallel.cost_model import CollectiveEstimate, CostModel
+    from gem_parallel.dense import DenseParallelConfig, apply_dense_parallel
+    from gem_parallel.embeddings import shard_embeddings
+    from gem_parallel.layout import MeshLayout
+    from gem_parallel.meshes import ParallelMeshes, build_meshes, fake_world
+    from gem_parallel.model_spec import ModelSpec
+    from gem_parallel.moe import MoE, MoEConfig, moe_reference
+    from gem_parallel.planner import Plan, PlannerConfig
+    from gem_parallel.planner import plan as make_plan
+    from gem_parallel.topology import GroupPlacement, Tier, Topology
 
 _EXPORTS = {
     "Tier": "gem_parallel.topology",
@@ -35,7 +56,28 @@ _EXPORTS = {
 }
 _SUBMODULES = ("collectives",)
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+__all__ = [
+    "CollectiveEstimate",
+    "CostModel",
+    "DenseParallelConfig",
+    "GroupPlacement",
+    "MeshLayout",
+    "MoE",
+    "MoEConfig",
+    "ModelSpec",
+    "ParallelMeshes",
+    "Plan",
+    "PlannerConfig",
+    "Tier",
+    "Topology",
+    "apply_dense_parallel",
+    "build_meshes",
+    "collectives",
+    "fake_world",
+    "make_plan",
+    "moe_reference",
+    "shard_embeddings",
+]
 
 
 def __getattr__(name: str):

@@ -41,7 +41,9 @@ def pooled_tables(m: ModelConfig) -> dict[str, tuple[int, tuple[str, ...]]]:
 
 
 def torchrec_available() -> bool:
-    return importlib.util.find_spec("torchrec") is not None
+    """Whether torchrec can be imported: torchrec itself and FBGEMM (``fbgemm_gpu``, from
+    ``fbgemm-gpu`` or ``fbgemm-gpu-cpu``), which torchrec imports and cannot work without."""
+    return all(importlib.util.find_spec(name) is not None for name in ("torchrec", "fbgemm_gpu"))
 
 
 def resolve_backend(choice: str) -> str:
@@ -49,8 +51,10 @@ def resolve_backend(choice: str) -> str:
         return "torchrec" if torchrec_available() else "native"
     if choice == "torchrec" and not torchrec_available():
         raise RuntimeError(
-            "model.embeddings=torchrec but torchrec is not installed; install the `torchrec` "
-            "extra of gem-train or use model.embeddings=native"
+            "model.embeddings=torchrec but torchrec cannot be imported (it needs torchrec and "
+            "FBGEMM's fbgemm_gpu); install the `torchrec` extra of gem-train (in the gemkit "
+            "workspace: `--extra cpu`, or `--extra cuda` on a CUDA machine) or use "
+            "model.embeddings=native"
         )
     return choice
 

@@ -9,15 +9,15 @@ offline compile for sm_90 can ask for the GPU's code paths on CPU tensors, by pa
 argument instead of patching module attributes.
 """
 
-import os
 from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+from gem_lowprec._checks import triton_interpreting
 
 __all__ = ["AUTO_LAUNCH", "INTERPRETING", "Encoder", "Launch", "Shapes"]
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETING = triton_interpreting()
 
 
 class Shapes(StrEnum):

@@ -14,8 +14,14 @@ import torch
 from gem_jagged._flops import block_pairs, register_attention_formulas
 
 from . import reference
-from . import triton as kernels
 from .config import BlockAttentionConfig, config_for
+
+
+def _kernels():
+    """The Triton launchers, imported on first use: the reference backend runs without triton."""
+    from . import triton
+
+    return triton
 
 
 def resolve_config(config: BlockAttentionConfig | None, q: torch.Tensor, block_size: int):
@@ -47,7 +53,7 @@ def block_attention_op(
     options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
     if backend == "triton":
         config = _config_from(config, q, block_size)
-        return kernels.block_attention_forward(q, k, v, offsets, config=config, **options)
+        return _kernels().block_attention_forward(q, k, v, offsets, config=config, **options)
     return reference.block_attention_reference(q, k, v, offsets, **options)
 
 
@@ -73,7 +79,7 @@ def block_attention_backward_op(
     options = dict(block_size=block_size, causal=causal, rope_theta=rope_theta, scale=scale)
     if backend == "triton":
         config = _config_from(config, q, block_size)
-        return kernels.block_attention_backward(
+        return _kernels().block_attention_backward(
             grad_out, q, k, v, offsets, config=config, **options
         )
     return reference.block_attention_reference_backward(grad_out, q, k, v, offsets, **options)
@@ -126,6 +132,7 @@ class BlockAttentionTritonFunction(torch.autograd.Function):
             config=config,
         )  # fmt: skip
         offsets = batch.offsets
+        kernels = _kernels()
         table = kernels.batch_block_table(batch, block_size)
         out = kernels.block_attention_forward(q, k, v, offsets, block_ends_B=table, **options)
         ctx.save_for_backward(q, k, v, offsets, table)
@@ -136,7 +143,7 @@ class BlockAttentionTritonFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, offsets, table = ctx.saved_tensors
-        dq, dk, dv = kernels.block_attention_backward(
+        dq, dk, dv = _kernels().block_attention_backward(
             grad_out, q, k, v, offsets, block_ends_B=table, **ctx.options
         )
         return dq, dk, dv, None, None, None, None, None, None

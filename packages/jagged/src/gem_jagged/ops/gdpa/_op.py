@@ -19,8 +19,14 @@ from gem_jagged._flops import attention_pairs, register_attention_formulas
 from gem_jagged.batch import JaggedBatch
 
 from . import reference
-from . import triton as kernels
 from .config import GdpaTiles, arch_of, regime_for, tiles_for
+
+
+def _kernels():
+    """The Triton launchers, imported on first use: the reference backend runs without triton."""
+    from . import triton
+
+    return triton
 
 
 def resolve_tiles(tiles: GdpaTiles | None, q: torch.Tensor, rel_bias: torch.Tensor | None):
@@ -61,7 +67,7 @@ def gdpa_op(
     )  # fmt: skip
     if backend == "triton":
         batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=None)
-        return kernels.gdpa_forward(
+        return _kernels().gdpa_forward(
             q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
             batch=batch, tiles=_tiles_from(tiles, q, rel_bias), **options,
         )  # fmt: skip
@@ -100,7 +106,7 @@ def gdpa_backward_op(
     )  # fmt: skip
     if backend == "triton":
         batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=None)
-        dq, dk, dv, d_bias = kernels.gdpa_backward(
+        dq, dk, dv, d_bias = _kernels().gdpa_backward(
             grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, is_cross=is_cross,
             batch=batch, tiles=_tiles_from(tiles, q, rel_bias), **options,
         )  # fmt: skip
@@ -172,7 +178,7 @@ class GdpaTritonFunction(torch.autograd.Function):
             activation=activation, causal=causal, scale=scale, out_scale=out_scale,
             broadcast_q=broadcast_q, is_cross=is_cross, tiles=tiles,
         )  # fmt: skip
-        out, work = kernels.gdpa_forward(
+        out, work = _kernels().gdpa_forward(
             q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, return_work=True, batch=batch,
             **options,
         )  # fmt: skip
@@ -184,7 +190,7 @@ class GdpaTritonFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, q_offsets, kv_offsets, rel_bias = ctx.saved_tensors
-        dq, dk, dv, d_bias = kernels.gdpa_backward(
+        dq, dk, dv, d_bias = _kernels().gdpa_backward(
             grad_out, q, k, v, q_offsets, kv_offsets, rel_bias_NB=rel_bias, query_work=ctx.work,
             batch=ctx.batch, **ctx.options,
         )  # fmt: skip

@@ -32,7 +32,13 @@ from gem_jagged.batch import JaggedBatch
 
 from .config import JaggedAttentionConfig, config_for_inputs
 from .reference import jagged_flash_attention_reference, jagged_flash_attention_reference_backward
-from .triton import forward_work_slots, jfa_backward, jfa_forward
+
+
+def _kernels():
+    """The Triton launchers, imported on first use: the reference backend runs without triton."""
+    from . import triton
+
+    return triton
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -63,7 +69,7 @@ def attention_forward(
     if backend == "triton":
         batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=max_q_len)
         cfg = _config(config, q, k, q_offsets, rel_bias)
-        return jfa_forward(
+        return _kernels().jfa_forward(
             q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias, config=cfg
         )
     with torch.no_grad():
@@ -81,7 +87,7 @@ def _(q, k, v, q_offsets, kv_offsets, rel_bias, causal, scale, max_q_len, backen
     slots = 0
     if backend == "triton":
         cfg = _config(config, q, k, q_offsets, rel_bias)
-        slots = forward_work_slots(q, q_offsets, config=cfg)
+        slots = _kernels().forward_work_slots(q, q_offsets, config=cfg)
     return out, lse, q.new_empty((5, slots), dtype=torch.int32)
 
 
@@ -105,7 +111,7 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
         batch = JaggedBatch.of_owned(q_offsets, kv_offsets, max_len=max_q_len)
-        dq, dk, dv, dbias = jfa_backward(
+        dq, dk, dv, dbias = _kernels().jfa_backward(
             dout, q, k, v, out, lse, batch, causal=causal, scale=scale, rel_bias=rel_bias,
             config=_config(config, q, k, q_offsets, rel_bias), forward_work=work,
         )  # fmt: skip
@@ -179,7 +185,7 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rel_bias, batch, causal, scale, config):
         ctx.descriptors = {}  # the forward's TMA descriptors, for the backward's launches
-        out, lse, work = jfa_forward(
+        out, lse, work = _kernels().jfa_forward(
             q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias, config=config,
             descriptors=ctx.descriptors,
         )  # fmt: skip
@@ -192,7 +198,7 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, work, rel_bias = ctx.saved_tensors
         causal, scale, config = ctx.options
-        dq, dk, dv, dbias = jfa_backward(
+        dq, dk, dv, dbias = _kernels().jfa_backward(
             dout, q, k, v, out, lse, ctx.batch, causal=causal, scale=scale, rel_bias=rel_bias,
             config=config, forward_work=work, descriptors=ctx.descriptors,
         )  # fmt: skip
@@ -207,6 +213,6 @@ def eager_triton_attention(q, k, v, batch, rel_bias, *, causal, scale, config=No
     inputs = (q, k, v) if rel_bias is None else (q, k, v, rel_bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _TritonAttention.apply(q, k, v, rel_bias, batch, causal, scale, config)
-    return jfa_forward(
+    return _kernels().jfa_forward(
         q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias, config=config
     )[0]

@@ -15,7 +15,6 @@ from gem_jagged._jit import jit
 from gem_jagged._tiles import load_sequence, slot_and_head
 from gem_jagged._worklist import key_tiles
 
-from .. import hopper
 from ..bias_tiles import add_relative_bias, far_bias_log2
 from ..config import JaggedAttentionConfig
 from .common import LOG2E, _bias_tile_args, _dot_precision, _radius, _sm_count, _unused_float32
@@ -294,7 +293,9 @@ def backward_dkdv(
         if max_splits > 1:
             dk_scratch = scratch[:kv_numel].view(k.shape)
             dv_scratch = scratch[kv_numel : 2 * kv_numel].view(k.shape)
-        hopper.launch_dkdv(
+        from ..hopper.launch import launch_dkdv  # Gluon loads only where its kernels run
+
+        launch_dkdv(
             grid, q, k, v, dout, lse, delta, dk, dv, dk_scratch, dv_scratch, q_offsets,
             kv_offsets, kwork, scale=scale, causal=causal, config=cfg, descriptors=descriptors,
         )  # fmt: skip

@@ -200,7 +200,9 @@ def backward_dq(
         q, k, v, out, dout,
         rel_bias=rel_bias is not None, rows=cfg.dq.block_m, num_warps=cfg.dq.warps,
     ):  # fmt: skip
-        hopper.launch_dq(
+        from ..hopper.launch import launch_dq  # Gluon loads only where its kernels run
+
+        launch_dq(
             (num_programs,), q, k, v, out, dout, lse, delta, dq, q_offsets, kv_offsets, qwork,
             scale=scale, causal=causal, config=cfg, descriptors=descriptors,
         )  # fmt: skip

@@ -165,7 +165,7 @@ def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, config, descriptors=
     ``work`` is the query-tile work list packed as int32 ``[5, W]``; the backward's dQ kernel
     reuses it instead of building it again. It is kept in the batch (``JaggedBatch.memo``), so
     the other layers of the batch reuse it too. ``descriptors`` (a dict, or None) remembers the
-    Gluon kernels' TMA descriptors for the backward's launches (``hopper.row_descriptor``).
+    Gluon kernels' TMA descriptors for the backward's launches (``hopper.launch.row_descriptor``).
     ``config``: the ``JaggedAttentionConfig`` (``config_for_inputs`` picks one).
     """
     total_q, num_heads, head_dim = q.shape
@@ -186,7 +186,9 @@ def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, config, descriptors=
         rows=cfg.forward.block_m,
         num_warps=cfg.forward.warps,
     ):
-        hopper.launch_forward(
+        from ..hopper.launch import launch_forward  # Gluon loads only where its kernels run
+
+        launch_forward(
             grid, q, k, v, out, lse, batch.offsets, batch.kv_offsets, work, scale=scale,
             causal=causal, config=cfg, descriptors=descriptors,
         )  # fmt: skip
