@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg)
     except (ConfigError, NonFiniteError, CheckpointError, SupervisorLost) as exc:
-        # a refusal or a stop, not a bug: the message, no traceback
-        print(f"gem-train: error: {exc}", file=sys.stderr)
+        # a refusal or a stop, not a bug: the message (and its notes), no traceback
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+        print(f"gem-train: error: {exc}{notes}", file=sys.stderr)
         return 1
     if summary["rank"] == 0:
         skipped = summary["skipped_nonfinite_steps"]
