@@ -40,17 +40,7 @@ def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
         reporter = Reporter(run, start_step=start, t_start=t_start)
         if resumed_from is not None:
             reporter.print(f"resumed from step {start} ({resumed_from})")
-        m = cfg.metrics
-        trace = ProfileTrace(
-            m.profile_trace, first=m.profile_first_step, count=m.profile_steps,
-            total=cfg.steps, rank=run.rank, device=run.device,
-        )  # fmt: skip
-        if m.profile_trace and m.profile_first_step + m.profile_steps - 1 <= start:
-            reporter.print(
-                f"metrics.profile_trace: no trace; steps {m.profile_first_step} to "
-                f"{m.profile_first_step + m.profile_steps - 1} precede this run's first step "
-                f"{start + 1} (resumed)"
-            )
+        trace = _profile_trace(run, reporter, start)
         return _loop(run, reporter, start, timer or StepTimer(run.device, enabled=False), trace)
     except BaseException as exc:
         # A save still in flight completes (every rank's background save goes on while its
@@ -72,6 +62,21 @@ def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
             reporter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _profile_trace(run: Run, reporter: Reporter, start: int) -> ProfileTrace:
+    """The run's ``metrics.profile_trace``; says so when a resumed run starts past its steps."""
+    m = run.cfg.metrics
+    last = m.profile_first_step + m.profile_steps - 1
+    if m.profile_trace and last <= start:
+        reporter.print(
+            f"metrics.profile_trace: no trace; steps {m.profile_first_step} to {last} precede "
+            f"this run's first step {start + 1} (resumed)"
+        )
+    return ProfileTrace(
+        m.profile_trace, first=m.profile_first_step, count=m.profile_steps,
+        total=run.cfg.steps, rank=run.rank, device=run.device,
+    )  # fmt: skip
 
 
 def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer, trace: ProfileTrace) -> dict:
