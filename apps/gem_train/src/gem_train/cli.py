@@ -53,8 +53,8 @@ def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
         prog=f"gem-train{'' if command == 'train' else ' ' + command}",
         usage="%(prog)s [--config NAME] [--<section>.<field> VALUE ...]",
         description=f"gemkit's reference trainer.\n\ncommands:\n{commands}\n\nnamed configs:\n{named}",
-        epilog="Flags override single fields of the named config or file; defaults shown are "
-        f"{config_name!r}'s.",
+        epilog="Flags override single fields of the named config or file; the defaults shown "
+        f"are those of {config_name!r}.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
