@@ -103,3 +103,94 @@ def test_training_refuses_a_corrupted_latest_checkpoint(small, tmp_path):
     manifest.write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match="step_00000002 is corrupted"):
         train(small(steps=4, checkpoint__folder=str(folder)))
+
+
+def test_an_async_save_writes_the_sync_save_and_resumes_exactly(small, tmp_path):
+    """The same shards byte for byte (the metadata differs only in the save's ids), complete
+    with their manifest when the run returns, and a run resumed from it matches the straight
+    run bit for bit."""
+    from gem_train.checkpoint_checks import load_metadata
+
+    straight = train(small(steps=6))["losses"]
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    train(small(steps=3, checkpoint__folder=str(sync)))
+    first = train(small(steps=3, checkpoint__folder=str(background), checkpoint__async_save=True))
+    (path,) = list_checkpoints(background)  # the run waited for its last save
+    files = {folder: verify(folder / path.name)["files"] for folder in (sync, background)}
+    assert files[sync].keys() == files[background].keys()
+    for name in files[sync].keys() - {".metadata"}:
+        assert files[sync][name]["sha256"] == files[background][name]["sha256"], name
+    metadata = [load_metadata(folder / path.name / ".metadata") for folder in (sync, background)]
+    assert metadata[0].state_dict_metadata == metadata[1].state_dict_metadata
+    second = train(small(steps=6, checkpoint__folder=str(background), checkpoint__async_save=True))
+    assert first["losses"] + second["losses"] == straight
+
+
+def test_an_async_save_is_a_checkpoint_only_once_complete_and_its_failure_is_raised(
+    tmp_path, monkeypatch
+):
+    import errno
+    from concurrent.futures import Future
+
+    import gem_train.checkpoint as checkpoint
+
+    model, optimizer = _tiny_state()
+    ckpt = Checkpointer(str(tmp_path), keep=3, async_save=True)
+    release, real = Future(), checkpoint.dcp.async_save
+
+    def held(*args, **kwargs):
+        done = real(*args, **kwargs)
+        out = Future()
+        release.add_done_callback(lambda _: out.set_result(done.result()))
+        return out
+
+    monkeypatch.setattr(checkpoint.dcp, "async_save", held)
+    path = ckpt.save(1, model, optimizer, {"step": 1})
+    assert list_checkpoints(tmp_path) == []  # written, not yet hashed: not a checkpoint
+    release.set_result(None)
+    ckpt.wait()
+    assert list_checkpoints(tmp_path) == [path] and verify(path)["step"] == 1
+
+    def full(*args, **kwargs):
+        failed = Future()
+        failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        return failed
+
+    monkeypatch.setattr(checkpoint.dcp, "async_save", full)
+    ckpt.save(2, model, optimizer, {"step": 2})  # returns; the failure comes with the wait
+    with pytest.raises(CheckpointError, match="no space left .* while saving step 2"):
+        ckpt.wait()
+    assert list_checkpoints(tmp_path) == [path]
+
+
+def test_a_file_no_rank_wrote_fails_the_save(tmp_path, monkeypatch):
+    """Each rank vouches for the files its writer wrote; a file nobody wrote is not silently
+    left out of the manifest."""
+    import gem_train.checkpoint as checkpoint
+
+    real = checkpoint.dcp.save
+
+    def with_a_stray_file(state, *, storage_writer):
+        real(state, storage_writer=storage_writer)
+        (storage_writer.path / "stray.bin").write_bytes(b"x")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", with_a_stray_file)
+    model, optimizer = _tiny_state()
+    with pytest.raises(CheckpointError, match="saving step 4: no rank wrote stray.bin"):
+        Checkpointer(str(tmp_path), keep=1).save(4, model, optimizer, {"step": 4})
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_a_manifest_without_ranks_is_rank_0s_and_a_foreign_rank_is_refused(tmp_path):
+    """Manifests written before ranks hashed their own files name no rank: rank 0 checks them."""
+    model, optimizer = _tiny_state()
+    ckpt = Checkpointer(str(tmp_path), keep=1)
+    path = ckpt.save(1, model, optimizer, {"step": 1})
+    doc = json.loads((path / MANIFEST).read_text())
+    assert {entry.pop("rank") for entry in doc["files"].values()} == {0}
+    (path / MANIFEST).write_text(json.dumps(doc))
+    assert ckpt.load(path, model, optimizer) == {"step": 1}
+    next(iter(doc["files"].values()))["rank"] = 1
+    (path / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="gives file .* to rank 1 of a run of 1 processes"):
+        ckpt.load(path, model, optimizer)

@@ -54,15 +54,15 @@ def test_tensorboard_logs_and_history(small, tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     assert [row["step"] for row in summary["history"]] == [2, 4, 6]
     assert {
-        "loss",
-        "ctr_ne",
-        "ctr_auc",
-        "cvr_ne",
-        "qps",
-        "padding_fraction",
-        "rank_imbalance",
+        "train/loss",
+        "train/ctr_ne",
+        "train/ctr_auc",
+        "train/cvr_ne",
+        "train/qps",
+        "train/padding_fraction",
+        "train/rank_imbalance",
     } <= summary["history"][-1].keys()
-    assert summary["history"][-1]["rank_imbalance"] == 1.0  # one rank
+    assert summary["history"][-1]["train/rank_imbalance"] == 1.0  # one rank
     assert len(summary["losses"]) == 6 and all(math.isfinite(x) for x in summary["losses"])
 
 
@@ -92,7 +92,7 @@ def _torchrun_moe(flags, tmp_path, *, ep: int) -> dict:
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 3 * 8
     assert any("FSDP2" in note and f"ep={ep}" in note for note in summary["optimisations"])
     assert math.isfinite(summary["final_ne"]) and math.isfinite(summary["losses"][-1])
-    assert summary["history"][-1]["rank_imbalance"] >= 1.0
+    assert summary["history"][-1]["train/rank_imbalance"] >= 1.0
     assert done.stdout.count("done:") == 1  # only rank 0 reports
     return summary
 

@@ -11,13 +11,24 @@ resharded on load) holding
   state) and the RNG states (torch CPU, CUDA), serialized with ``torch.save`` and loaded with
   ``weights_only=True``.
 
-Saving goes to ``step_<n>.partial``; when every rank has finished, rank 0 hashes every file into
-``manifest.json`` (size and SHA-256, and the run's ``record``: its resolved config and data files,
-``gem_train.run_record``) and renames the folder. So a folder named ``step_<n>`` without a
-manifest, with a file missing or with a file whose size or hash differs, is partial or corrupted:
-``load`` refuses it with a message naming the folder and the file, and never falls back silently
-to something else. ``*.partial`` folders (a save interrupted by a crash) are never considered.
-After each save the newest ``checkpoint.keep`` checkpoints are kept and older ones deleted.
+Saving goes to ``step_<n>.partial``. When DCP has written it, each rank hashes the files it wrote
+itself (its writer records them), the ranks' entries are gathered, and rank 0 writes them into
+``manifest.json`` (size, SHA-256 and rank of every file, and the run's ``record``: every field of
+its resolved config and its data files, ``gem_train.run_record``) and renames the folder. No rank
+reads another's shards, so a save hashes its bytes once, spread over the ranks; a file in the
+folder that no rank wrote fails the save rather than go unvouched for. So a folder named
+``step_<n>`` without a manifest, with a file missing or with a file whose size or hash differs, is
+partial or corrupted: ``load`` (each rank checking its own files, then all agreeing) refuses it on
+every rank with a message naming the folder and the file, and never falls back silently to
+something else. ``*.partial`` folders (a save interrupted by a crash) are never considered. After
+each save the newest ``checkpoint.keep`` checkpoints are kept and older ones deleted.
+
+With ``async_save`` (``checkpoint.async_save``) a save copies the state to host memory and returns;
+DCP's ``async_save`` writes it in a background thread, and the hashing and the manifest follow in
+another, so the manifest is written only once the files are complete. Their collectives go over a
+gloo group of their own, apart from the training's. ``wait`` blocks until the save in flight is a
+checkpoint (or raises its failure); the next save and a load wait first, and the trainer waits at
+the end of a run. The copy holds a second image of the model and optimizer state in host memory.
 
 ``load`` also refuses a checkpoint that does not fit the run: saved by another number of
 processes, recording another config or other data (naming the first field that differs), or
@@ -32,11 +43,15 @@ import json
 import os
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -46,8 +61,9 @@ from gem_train.checkpoint_checks import (
     STEP_DIR,
     CheckpointError,
     MetadataReader,
+    digest_files,
     load_metadata,
-    sha256_of,
+    read_manifest,
     verify,
 )
 from gem_train.run_record import first_difference
@@ -103,9 +119,52 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+# What DCP says when it saves without a process group: one process is the intent here. An
+# asynchronous save says it from DCP's own thread, beyond a ``catch_warnings`` around the call.
+_SINGLE_PROCESS = ".*assuming the intent is to save in a single process"
+
+
+class _RecordingFileSystem(FileSystem):
+    """DCP's file system, remembering the files this process creates under ``root`` (its shards;
+    on the coordinator also ``.metadata``, written under a temporary name and renamed)."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root, self.created = root, set()
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if any(c in mode for c in "wax"):
+            self.created.add(Path(path).relative_to(self.root).as_posix())
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        self.created.discard(Path(path).relative_to(self.root).as_posix())
+        self.created.add(Path(new_path).relative_to(self.root).as_posix())
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file-system writer of one checkpoint folder; ``written`` lists the files this
+    rank wrote into it, the ones it hashes for the manifest."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.fs = _RecordingFileSystem(path)
+
+    @property
+    def written(self) -> set[str]:
+        return self.fs.created
 
 
 def rng_state() -> dict:
@@ -152,10 +211,29 @@ class Checkpointer:
         keep: how many of the newest checkpoints to keep.
         record: what the run is (``gem_train.run_record.resume_record``), written into each
             manifest and compared on ``load``; None records and checks nothing.
+        async_save: save with DCP's ``async_save`` and finish the save in the background (see
+            the module docstring); ``wait`` for it.
     """
 
-    def __init__(self, folder: str, *, keep: int, record: dict | None = None):
-        self.folder, self.keep, self.record = Path(folder), keep, record
+    def __init__(
+        self, folder: str, *, keep: int, record: dict | None = None, async_save: bool = False
+    ):
+        self.folder, self.keep, self.record, self.async_save = (
+            Path(folder),
+            keep,
+            record,
+            async_save,
+        )
+        self._pending: Future | None = None
+        self._background: ThreadPoolExecutor | None = None
+        self._group = None  # the default group
+        if async_save and _world() > 1:
+            # DCP's background collectives on a gloo group of their own: they never interleave
+            # with the training's on the default group, and NCCL runs get the CPU group that
+            # async_save needs
+            self._group = dist.new_group(backend="gloo")
+        if async_save:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
 
     def check_folder(self, *, needed_bytes: int) -> None:
         """Before training: the folder exists or can be made, takes a file, and has room for a
@@ -188,6 +266,15 @@ class Checkpointer:
             )
 
     def save(self, step: int, model, optimizer, train_state: dict) -> Path:
+        """Save ``model``, ``optimizer``, ``train_state`` (this rank's) and the RNG states as
+        checkpoint ``step``; returns its folder, complete on return unless ``async_save`` (then
+        once ``wait`` returns). A save in flight is waited for first.
+
+        Raises:
+            CheckpointError: no space for the checkpoint, or a save that could not be verified
+                (on every rank alike); with ``async_save``, a failure of the previous save.
+        """
+        self.wait()
         final = self.folder / f"step_{step:08d}"
         partial = final.with_name(final.name + ".partial")
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -200,10 +287,38 @@ class Checkpointer:
         buffer = io.BytesIO()
         torch.save({**train_state, "rng": rng_state()}, buffer)
         state = {"model": model_sd, "optim": optim_sd, f"train.rank{_rank()}": buffer}
-        try:
+        writer = _Writer(partial)
+        if not self.async_save:
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.save(state, checkpoint_id=str(partial))
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+                self._written(lambda: dcp.save(state, storage_writer=writer), step, partial)
+            self._finish(step, partial, writer.written)
+            return final
+        # staged (copied to host memory) before it returns: training may change the state next
+        upload = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="gem-train-checkpoint")
+        self._pending = self._background.submit(self._complete, upload, step, partial, writer)
+        return final
+
+    def wait(self) -> None:
+        """Return once the save in flight (``async_save``), if any, is a checkpoint.
+
+        Raises:
+            CheckpointError: or DCP's error: that save failed (every rank alike).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _complete(self, upload: Future, step: int, partial: Path, writer: "_Writer") -> None:
+        self._written(upload.result, step, partial)
+        self._finish(step, partial, writer.written)
+
+    def _written(self, write, step: int, partial: Path) -> None:
+        """Run ``write`` (DCP's save, or the wait for it); a full disk says so."""
+        try:
+            write()
         except (OSError, RuntimeError) as exc:
             # a full disk surfaces from DCP's writer as "unexpected pos" or a bare OSError
             out_of_space = getattr(exc, "errno", None) == errno.ENOSPC or (
@@ -216,24 +331,68 @@ class Checkpointer:
                     f"save {partial.name} is not a checkpoint"
                 ) from exc
             raise
-        _barrier()
-        if _rank() == 0:
-            files = {
-                p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
-                for p in sorted(partial.iterdir())
-                if p.is_file()
-            }
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            manifest = {"step": step, "world_size": world, "files": files}
-            if self.record is not None:
-                manifest["record"] = self.record
-            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-            for old in list_checkpoints(self.folder)[: -self.keep]:
-                shutil.rmtree(old)
-        _barrier()
-        return final
+
+    def _finish(self, step: int, partial: Path, written: set[str]) -> None:
+        """Each rank hashes the files it wrote; rank 0 writes the manifest of all of them and
+        renames the folder; every rank learns the outcome and raises alike on a failure."""
+        rank = _rank()
+        try:
+            mine: dict = {"files": digest_files(partial, written, rank=rank)}
+        except OSError as exc:
+            mine = {"error": f"rank {rank} could not read back a file it wrote: {exc}"}
+        parts = self._collect(mine)
+        failure = None
+        if rank == 0:
+            try:
+                failure = self._commit(step, partial, parts)
+            except OSError as exc:
+                failure = f"rank 0 could not write the manifest or rename the folder: {exc}"
+        failure = self._from_rank0(failure)
+        if failure is not None:
+            raise CheckpointError(
+                f"saving step {step}: {failure}; the partial save {partial.name} is not a checkpoint"
+            )
+
+    def _commit(self, step: int, partial: Path, parts: list[dict]) -> str | None:
+        """Rank 0: the manifest from every rank's entries, then the rename and the pruning;
+        returns what went wrong instead, or None."""
+        files: dict[str, dict] = {}
+        for part in parts:
+            if "error" in part:
+                return part["error"]
+            for name, entry in part["files"].items():
+                if name in files:
+                    return f"ranks {files[name]['rank']} and {entry['rank']} both wrote {name}"
+                files[name] = entry
+        unclaimed = sorted({p.name for p in partial.iterdir() if p.is_file()} - files.keys())
+        if unclaimed:
+            return f"no rank wrote {unclaimed[0]}, so none can vouch for it"
+        manifest = {"step": step, "world_size": len(parts), "files": dict(sorted(files.items()))}
+        if self.record is not None:
+            manifest["record"] = self.record
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        final = partial.with_name(partial.name.removesuffix(".partial"))
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        for old in list_checkpoints(self.folder)[: -self.keep]:
+            shutil.rmtree(old)
+        return None
+
+    def _collect(self, mine: dict) -> list[dict]:
+        """Every rank's ``mine``, in rank order (over the save's group)."""
+        if _world() == 1:
+            return [mine]
+        parts: list = [None] * _world()
+        dist.all_gather_object(parts, mine, group=self._group)
+        return parts
+
+    def _from_rank0(self, value):
+        """Rank 0's ``value`` on every rank (over the save's group)."""
+        if _world() == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
 
     def latest(self) -> Path | None:
         found = list_checkpoints(self.folder)
@@ -241,15 +400,17 @@ class Checkpointer:
 
     def load(self, path: str | Path, model, optimizer) -> dict:
         """Verify, then restore model, optimizer and RNG; returns this rank's train state."""
+        self.wait()
         path = Path(path)
-        manifest = verify(path)
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        manifest, _ = read_manifest(path)
+        world = _world()
         if manifest.get("world_size") != world:
             raise CheckpointError(
                 f"checkpoint {path} was saved by {manifest.get('world_size')} processes; this run "
                 f"has {world} (the data position is per rank)"
             )
         self._check_record(path, manifest)
+        _verify_together(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sharded = _row_sharded(model)
         _as_global(model_sd, optim_sd, sharded)
@@ -285,6 +446,23 @@ class Checkpointer:
                 f"checkpoint {path} does not fit this run: {difference}. Resume with the "
                 "checkpoint's settings, or start in another checkpoint.folder"
             )
+
+
+def _verify_together(path: Path) -> None:
+    """Each rank checks the files it wrote (``verify(path, rank=r)``), then every rank raises the
+    lowest rank's finding, so that all refuse the checkpoint together."""
+    try:
+        verify(path, rank=_rank())
+        finding = None
+    except CheckpointError as exc:
+        finding = str(exc)
+    findings = [finding]
+    if _world() > 1:
+        findings = [None] * _world()
+        dist.all_gather_object(findings, finding)
+    first = next((f for f in findings if f is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 def state_bytes(*state_dicts: dict) -> int:

@@ -1,7 +1,12 @@
 """What makes a checkpoint trustworthy: an intact manifest, metadata that is data and not code.
 
-``verify`` checks a checkpoint folder against its ``manifest.json`` (every file's size and SHA-256,
-written by rank 0 after every rank has finished saving). A manifest only proves that the files are
+``verify`` checks a checkpoint folder against its ``manifest.json``: every file's size and SHA-256,
+and the rank that wrote it and vouches for it. Saving, each rank hashes only the files it wrote
+(``digest_files``) and rank 0 combines the ranks' entries into the manifest; loading, each rank
+re-hashes only its own (``verify(path, rank=r)``) and the ranks then agree on the verdict, so no
+rank reads another's shards to check them, and the whole checkpoint is read once, in parallel.
+A manifest without ranks (an older save, hashed by rank 0) is rank 0's to check. ``verify`` with
+no rank checks every file (a checkpoint checked by hand). A manifest only proves that the files are
 the ones that were saved; it does not make them safe to unpickle, because whoever can write the
 folder can re-hash the manifest. DCP keeps its metadata (``.metadata``: which tensor lives in which
 file at which offset) as a pickle, and unpickling runs whatever callable the pickle names.
@@ -54,11 +59,26 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(path: str | Path) -> dict:
-    """Check a checkpoint folder against its manifest.
+def digest_files(folder: Path, names, *, rank: int) -> dict[str, dict]:
+    """The manifest entries of the files ``names`` (relative to ``folder``) that ``rank`` wrote:
+    ``{name: {"size", "sha256", "rank"}}``, read by this process only."""
+    return {
+        name: {
+            "size": (folder / name).stat().st_size,
+            "sha256": sha256_of(folder / name),
+            "rank": rank,
+        }
+        for name in sorted(names)
+    }
+
+
+def verify(path: str | Path, *, rank: int | None = None) -> dict:
+    """Check a checkpoint folder against its manifest: every file, or ``rank``'s only.
 
     Args:
         path: a ``step_<n>`` checkpoint folder.
+        rank: check only the files this rank wrote (a resume under ``torchrun``, where every
+            rank checks its own); None: every file.
 
     Returns:
         The manifest (``{"step", "world_size", "files", ...}``).
@@ -66,9 +86,34 @@ def verify(path: str | Path) -> dict:
     Raises:
         CheckpointError: the folder has no manifest (its save never finished), the manifest is
             unreadable or lists no files, its step is not the one in the folder's name
-            (``step_<n>``), or a listed file is missing or differs in size or SHA-256.
+            (``step_<n>``), a file's rank is not one of the saving run's, or a checked file is
+            missing or differs in size or SHA-256 (naming the file and its rank).
     """
     path = Path(path)
+    manifest, entries = read_manifest(path)
+    for name, (expected_size, expected_sha, owner) in entries.items():
+        if rank is not None and owner != rank:
+            continue
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is partial: file {name} is missing")
+        size = file.stat().st_size
+        if size != expected_size:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: file {name} has {size} bytes, "
+                f"the manifest says {expected_size} (rank {owner}'s file)"
+            )
+        if sha256_of(file) != expected_sha:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: file {name} does not match its SHA-256 in "
+                f"{MANIFEST} (rank {owner}'s file)"
+            )
+    return manifest
+
+
+def read_manifest(path: Path) -> tuple[dict, dict[str, tuple[int, str, int]]]:
+    """The manifest of the checkpoint folder ``path`` and its entries, ``{name: (size, sha256,
+    rank)}``, checked for form (``verify``'s errors but those of the files themselves)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
@@ -77,13 +122,15 @@ def verify(path: str | Path) -> dict:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        sizes = {name: (entry["size"], entry["sha256"]) for name, entry in files.items()}
+        entries = {
+            name: (entry["size"], entry["sha256"], entry.get("rank", 0))
+            for name, entry in manifest["files"].items()
+        }
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(
             f"checkpoint {path} is corrupted: unreadable {MANIFEST} ({exc!r})"
         ) from None
-    if not sizes:
+    if not entries:
         raise CheckpointError(
             f"checkpoint {path} is corrupted: its {MANIFEST} lists no files, so it vouches for "
             "nothing; refusing to load it"
@@ -94,21 +141,14 @@ def verify(path: str | Path) -> dict:
             f"checkpoint {path} is corrupted: the folder is named for step {int(named.group(1))} "
             f"but its {MANIFEST} says step {manifest.get('step')}"
         )
-    for name, (expected_size, expected_sha) in sizes.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is partial: file {name} is missing")
-        size = file.stat().st_size
-        if size != expected_size:
+    world = manifest.get("world_size")
+    for name, (_, _, owner) in entries.items():
+        if not (type(owner) is int and type(world) is int and 0 <= owner < world):
             raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} has {size} bytes, "
-                f"the manifest says {expected_size}"
+                f"checkpoint {path} is corrupted: {MANIFEST} gives file {name} to rank {owner!r} "
+                f"of a run of {world!r} processes"
             )
-        if sha256_of(file) != expected_sha:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} does not match its SHA-256 in {MANIFEST}"
-            )
-    return manifest
+    return manifest, entries
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -3,10 +3,12 @@
     gem-train [--config NAME] [--<section>.<field> VALUE ...]       train (default: tiny, CPU)
     gem-train mfu [--config NAME] [flags]                            Local MFU, layer by layer
     gem-train plan [--config NAME] [--gpus N]                        parameters and FLOPs (no run)
+    gem-train config [--config NAME] [flags] > run.toml              the resolved config as TOML
 
+``--config`` takes a named config or a TOML file (``PATH.toml``, ``gem_train.config_file``).
 Every field of the configuration is a flag (``gem-train --help`` lists them with their defaults for
-the chosen config); ``--summary-json PATH`` writes the run's summary. Under ``torchrun`` every rank
-runs the same command.
+the chosen config), applied after the named config or file; ``--summary-json PATH`` writes the
+run's summary. Under ``torchrun`` every rank runs the same command.
 """
 
 import argparse
@@ -21,11 +23,13 @@ from gem_train.config import (
     fields_of,
     named_config,
 )
+from gem_train.config_file import dump_toml, resolve_config
 
 COMMANDS = {
     "train": "train the model (the default command)",
     "mfu": "measure Local MFU: each layer alone, forward + backward, FLOP-weighted",
     "plan": "print parameters, FLOPs per sample and the memory the run needs, without running",
+    "config": "print the resolved config (--config, then flags) as TOML, for --config FILE.toml",
 }
 
 
@@ -40,8 +44,8 @@ def _config_name(argv: list[str]) -> str:
 
 def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
     try:
-        defaults = named_config(config_name)
-    except ConfigError:
+        defaults = resolve_config(config_name)
+    except ConfigError:  # reported by ``parse``, with the usage
         defaults = named_config("tiny")
     named = "\n".join(f"  {name:10s} {text}" for name, (text, _) in NAMED_CONFIGS.items())
     commands = "\n".join(f"  {name:10s} {text}" for name, text in COMMANDS.items())
@@ -49,15 +53,17 @@ def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
         prog=f"gem-train{'' if command == 'train' else ' ' + command}",
         usage="%(prog)s [--config NAME] [--<section>.<field> VALUE ...]",
         description=f"gemkit's reference trainer.\n\ncommands:\n{commands}\n\nnamed configs:\n{named}",
-        epilog="Flags override single fields of the named config; defaults shown are the "
-        f"{defaults.name!r} config's.",
+        epilog="Flags override single fields of the named config or file; the defaults shown "
+        f"are those of {config_name!r}.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", default="tiny", help=f"named config: {', '.join(NAMED_CONFIGS)}"
+        "--config",
+        default="tiny",
+        help=f"named config ({', '.join(NAMED_CONFIGS)}) or a TOML file (PATH.toml)",
     )
     if command == "plan":
-        parser.add_argument("--gpus", type=int, default=1, help="GPUs to plan for")
+        parser.add_argument("--gpus", type=_positive_int, default=1, help="GPUs to plan for")
     aliases = {v: k for k, v in SHORT_FLAGS.items()}
     groups = {}
     for name, (owner, _, text) in fields_of(defaults).items():
@@ -78,13 +84,23 @@ def build_parser(command: str, config_name: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def parse(argv: list[str]):
     command = argv[0] if argv and argv[0] in COMMANDS else "train"
     rest = argv[1:] if argv and argv[0] in COMMANDS else argv
     parser = build_parser(command, _config_name(rest))
     args = parser.parse_args(rest)
     try:
-        cfg = named_config(args.config)
+        cfg = resolve_config(args.config)
         overrides = {
             k: v for k, v in vars(args).items() if v is not None and k not in ("config", "gpus")
         }
@@ -96,6 +112,9 @@ def parse(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     command, cfg, args = parse(sys.argv[1:] if argv is None else argv)
+    if command == "config":
+        print(dump_toml(cfg), end="")
+        return 0
     if command == "plan":
         from gem_train.mfu import print_plan
 
@@ -124,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg)
     except (ConfigError, NonFiniteError, CheckpointError, SupervisorLost) as exc:
-        # a refusal or a stop, not a bug: the message, no traceback
-        print(f"gem-train: error: {exc}", file=sys.stderr)
+        # a refusal or a stop, not a bug: the message (and its notes), no traceback
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+        print(f"gem-train: error: {exc}{notes}", file=sys.stderr)
         return 1
     if summary["rank"] == 0:
         skipped = summary["skipped_nonfinite_steps"]

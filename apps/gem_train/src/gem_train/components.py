@@ -214,7 +214,10 @@ def build_run(cfg: TrainConfig) -> Run:
     checkpointer = None
     if cfg.checkpoint.folder:
         record = resume_record(cfg, batches.source)
-        checkpointer = Checkpointer(cfg.checkpoint.folder, keep=cfg.checkpoint.keep, record=record)
+        checkpointer = Checkpointer(
+            cfg.checkpoint.folder, keep=cfg.checkpoint.keep, record=record,
+            async_save=cfg.checkpoint.async_save,
+        )  # fmt: skip
         # the parameters, and AdamW's two moments of each (created at the first step)
         checkpointer.check_folder(needed_bytes=3 * state_bytes(model.state_dict()))
     torch.manual_seed(cfg.seed + 1 + rank)  # the training stream of random numbers, per rank

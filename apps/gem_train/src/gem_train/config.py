@@ -344,6 +344,12 @@ class CheckpointConfig:
     every: int = opt(0, "save every this many steps (0: only at the end)", at_least=0)
     keep: int = opt(3, "keep the newest this many checkpoints", at_least=1)
     resume: bool = opt(True, "resume from the newest checkpoint in folder if there is one")
+    async_save: bool = opt(
+        False,
+        "save with DCP's async_save: the state is copied to host memory, then written, hashed and "
+        "given its manifest in the background while training goes on; the next save and the end "
+        "of the run wait for it (false: training waits for each save)",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -362,6 +368,15 @@ class MetricsConfig:
     peak_tflops: float = opt(
         0.0, "peak dense BF16 TFLOP/s for MFU (0: from the device name)", at_least=0
     )
+    profile_trace: str = opt(
+        "",
+        "write a torch.profiler Chrome trace of metrics.profile_steps steps from "
+        "metrics.profile_first_step into this folder, one file per rank (empty: none)",
+    )
+    profile_first_step: int = opt(
+        5, "the first step the trace records, counted from 1 like the logged steps", at_least=1
+    )
+    profile_steps: int = opt(2, "how many steps the trace records", at_least=1)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -421,11 +436,21 @@ class TrainConfig:
             "tables inside the backward, before a step can be skipped)",
             self.optim.skip_nonfinite,
         )
+        require(
+            not self.metrics.profile_trace or self.metrics.profile_first_step <= self.steps,
+            "metrics.profile_first_step",
+            f"≤ steps={self.steps} with metrics.profile_trace set (the trace would record nothing)",
+            self.metrics.profile_first_step,
+        )
         return self
 
 
 SECTIONS = ("model", "data", "optim", "parallel", "lowprec", "memory", "checkpoint", "metrics")
-SHORT_FLAGS = {"summary-json": "metrics.summary_json", "tensorboard": "metrics.tensorboard"}
+SHORT_FLAGS = {
+    "summary-json": "metrics.summary_json",
+    "tensorboard": "metrics.tensorboard",
+    "profile-trace": "metrics.profile_trace",
+}
 
 
 def _tiny() -> TrainConfig:

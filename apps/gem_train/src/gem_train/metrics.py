@@ -3,7 +3,9 @@
 **NE** (normalized entropy) is the mean log loss divided by the entropy of the base rate,
 ``NE = LL / H(p̄)``; 1.0 means "no better than predicting the average click rate", lower is better.
 **AUC** is the probability that a random positive is scored above a random negative (ties count
-one half), computed exactly from ranks.
+one half), computed exactly from ranks. Under ``torchrun`` both are computed from every rank's
+predictions (``gather_over_ranks``), not from one rank's share: NE's base rate and AUC's ranking
+are global, and neither is an average of per-rank values.
 
 **FLOPs** are counted as ``workloads.md`` says, from the real tokens only (padding never counts):
 a linear layer is ``2 · tokens · in · out`` forward and 3× that forward + backward; attention is
@@ -21,6 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from gem_train.config import ModelConfig
 from gem_train.data.batch import CANDIDATE_FEATURES, SEQUENCE_FEATURES
@@ -73,7 +76,7 @@ class Window:
 
     def __init__(self):
         self.logits, self.labels = defaultdict(list), defaultdict(list)
-        self.losses, self.samples, self.tokens, self.padded_tokens = [], 0, 0, 0
+        self.samples, self.tokens, self.padded_tokens = 0, 0, 0
         self.flops = 0.0
 
     def add(self, logits: dict, labels: dict, *, tokens: int, padded_tokens: int, flops: float):
@@ -86,13 +89,27 @@ class Window:
         self.padded_tokens += padded_tokens
         self.flops += flops
 
-    def quality(self) -> dict[str, float]:
-        out = {"loss": float(np.mean(self.losses)) if self.losses else math.nan}
-        out.update(quality_of(self.logits, self.labels))
-        out["padding_fraction"] = (
-            1.0 - self.tokens / self.padded_tokens if self.padded_tokens else math.nan
-        )
-        return out
+
+def gather_over_ranks(
+    logits: dict[str, list], labels: dict[str, list], *, world: int
+) -> tuple[dict[str, list], dict[str, list]]:
+    """Every rank's logits and labels per task, on every rank: ``{task: [rank 0's, rank 1's,
+    ...]}`` (CPU float tensors, in rank order, so every rank computes the same metrics from them).
+    One ``all_gather_object`` over the default group when ``world > 1``; ranks may hold different
+    sample counts."""
+    local = tuple(
+        {task: torch.cat(values).detach().float().cpu() for task, values in d.items() if values}
+        for d in (logits, labels)
+    )
+    if world == 1:
+        return tuple({task: [value] for task, value in d.items()} for d in local)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, local)
+    tasks = [dict.fromkeys(task for part in gathered for task in part[i]) for i in (0, 1)]
+    return tuple(
+        {task: [part[i][task] for part in gathered if task in part[i]] for task in tasks[i]}
+        for i in (0, 1)
+    )
 
 
 def quality_of(logits: dict[str, list], labels: dict[str, list]) -> dict[str, float]:

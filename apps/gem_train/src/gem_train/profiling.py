@@ -16,11 +16,16 @@ A disabled timer (the trainer's default) does nothing.
 ``count_syncs(fn)`` runs ``fn`` under CUDA's sync debug mode and returns where the host waited
 for the device (``.item()``, ``.cpu()``, data-dependent shapes): each such wait drains the launch
 queue, so the GPU idles while the host catches up.
+
+``ProfileTrace`` records a few chosen steps with ``torch.profiler`` (the host's ops, and the
+kernels on CUDA) and writes them as a Chrome trace (``chrome://tracing``, Perfetto), one file per
+rank, each step inside a ``gem-train step <n>`` range (``--profile-trace DIR``).
 """
 
 import collections
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -109,3 +114,63 @@ def count_syncs(fn) -> tuple[object, collections.Counter]:
         if "synchroniz" in str(w.message)
     )
     return result, where
+
+
+class ProfileTrace:
+    """A ``torch.profiler`` trace of steps ``first`` to ``first + count - 1`` (counted from 1, as
+    the logged steps are) of a run of ``total`` steps, written on the last of them (or the run's
+    last step, or ``close``) to ``folder/trace_rank<r>_steps<a>-<b>.json``.
+
+    Args:
+        folder: where the trace goes; empty: nothing is recorded.
+        first, count: the steps to record.
+        total: the run's last step.
+        rank: this process's rank, in the file name.
+        device: the run's device; on CUDA the trace also records the kernels.
+    """
+
+    def __init__(
+        self, folder: str, *, first: int, count: int, total: int, rank: int, device: torch.device
+    ):
+        self.folder, self.first, self.last = folder, first, min(first + count - 1, total)
+        self.rank, self.cuda = rank, device.type == "cuda"
+        self.profiler, self.steps, self._range = None, [], None
+
+    def begin(self, step: int) -> None:
+        """Before the 0-based ``step``: start recording when it is one of the chosen steps."""
+        if not self.folder or not self.first <= step + 1 <= self.last:
+            return
+        if self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+        self._range = torch.profiler.record_function(f"gem-train step {step + 1}")
+        self._range.__enter__()
+        self.steps.append(step + 1)
+
+    def end(self, step: int) -> Path | None:
+        """After the 0-based ``step``; returns the trace's path once it is written."""
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if self.profiler is not None and step + 1 == self.last:
+            return self.close()
+        return None
+
+    def close(self) -> Path | None:
+        """Stop recording and write what was recorded (a run that fails part-way writes the
+        steps it reached); returns the file, or None when nothing was recorded."""
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if self.profiler is None:
+            return None
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
+        folder = Path(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"trace_rank{self.rank}_steps{self.steps[0]}-{self.steps[-1]}.json"
+        profiler.export_chrome_trace(str(path))
+        return path

@@ -3,10 +3,17 @@
 Every step hands the ``Reporter`` its logits, batch and loss as device tensors; nothing is copied
 to the host until the end of a logging window (``metrics.log_every`` steps), so the GPU is never
 stalled mid-window. At the end of a window the reporter computes, over the window and over all
-ranks: loss, NE and AUC per task, QPS (samples per second, all ranks), the padding fraction a padded
-implementation would waste, the rank imbalance (the slowest rank's cost over the mean, costed as
-the load balancer does), E2E MFU, and peak memory. Throughput in the summary excludes the first
-``min(10, steps // 10)`` steps (compilation, allocator and cache warm-up).
+ranks: loss, NE and AUC per task (from every rank's predictions), QPS (samples per second), the
+padding fraction a padded implementation would waste, the rank imbalance (the slowest rank's cost
+over the mean, costed as the load balancer does), E2E MFU, and the largest rank's peak memory.
+Throughput in the summary excludes the first ``min(10, steps // 10)`` steps (compilation,
+allocator and cache warm-up).
+
+Names say where a figure comes from: the windows' are ``train/<name>`` (``train/loss``,
+``train/ctr_ne``, ...; the summary's ``history`` and the TensorBoard tags), the held-out
+evaluation's at the end ``eval/<name>`` in TensorBoard. TensorBoard also gets the resolved config
+as its hparams (``run_record.flat_config``, every field), with the evaluation's figures as their
+metrics; the summary JSON carries the same config under ``config``.
 """
 
 import json
@@ -18,7 +25,19 @@ import torch
 import torch.distributed as dist
 
 from gem_train.data.loader import cost_coefficients
-from gem_train.metrics import Window, batch_flops, peak_flops, peak_memory_bytes
+from gem_train.metrics import (
+    Window,
+    batch_flops,
+    gather_over_ranks,
+    peak_flops,
+    peak_memory_bytes,
+    quality_of,
+)
+from gem_train.model import TASKS
+from gem_train.run_record import flat_config
+
+# The held-out evaluation's figures: TensorBoard's scalars at the end and its hparams' metrics.
+EVAL_METRICS = tuple(f"eval/{task}_{what}" for task in TASKS for what in ("ne", "auc"))
 
 
 def _all_reduce(values: list[float], op) -> list[float]:
@@ -51,8 +70,18 @@ class Reporter:
         if not (self.is_main and self.cfg.metrics.tensorboard):
             return None
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
 
-        return SummaryWriter(self.cfg.metrics.tensorboard)
+        writer = SummaryWriter(self.cfg.metrics.tensorboard)
+        # into this run's own event file (``add_hparams`` would start another run beside it);
+        # booleans as words, which TensorBoard would otherwise show as 0 and 1
+        config = {
+            k: str(v).lower() if isinstance(v, bool) else v
+            for k, v in flat_config(self.cfg).items()
+        }
+        for summary in hparams(config, dict.fromkeys(EVAL_METRICS, math.nan)):
+            writer.file_writer.add_summary(summary)
+        return writer
 
     def _progress(self):
         if not (self.is_main and self.cfg.metrics.progress):
@@ -122,11 +151,14 @@ class Reporter:
         self._pending_losses = []
         self.losses.extend(losses)
         w, self.window = self.window, Window()
-        w.losses = losses
-        samples, flops, cost_sum = _all_reduce(
-            [w.samples, w.flops, self.window_cost], dist.ReduceOp.SUM
+        samples, flops, cost_sum, loss_sum, loss_count, tokens, padded = _all_reduce(
+            [w.samples, w.flops, self.window_cost, sum(losses), len(losses), w.tokens,
+             w.padded_tokens],
+            dist.ReduceOp.SUM,
+        )  # fmt: skip
+        cost_max, peak_memory = _all_reduce(
+            [self.window_cost, float(peak_memory_bytes(self.run.device))], dist.ReduceOp.MAX
         )
-        (cost_max,) = _all_reduce([self.window_cost], dist.ReduceOp.MAX)
         self.window_cost = 0.0
         if not report:
             return
@@ -134,39 +166,54 @@ class Reporter:
         self.steady["flops"] += flops
         self.steady["seconds"] += seconds
         world = self.run.world
-        row = {
-            "step": step + 1,
-            **w.quality(),
+        quality = quality_of(*gather_over_ranks(w.logits, w.labels, world=world))
+        figures = {
+            "loss": loss_sum / loss_count,
+            **quality,
+            "padding_fraction": 1.0 - tokens / padded if padded else math.nan,
             "qps": samples / seconds,
             "lr": max(group["lr"] for group in self.run.optimizer.param_groups),
+            "rank_imbalance": cost_max / (cost_sum / world) if cost_sum else math.nan,
+            "e2e_mfu": flops / seconds / (self.peak * world) if self.peak else math.nan,
+            "peak_memory_gib": peak_memory / 2**30,
         }
-        row["rank_imbalance"] = cost_max / (cost_sum / world) if cost_sum else math.nan
-        row["e2e_mfu"] = flops / seconds / (self.peak * world) if self.peak else math.nan
-        row["peak_memory_gib"] = peak_memory_bytes(self.run.device) / 2**30
+        row = {"step": step + 1, **{f"train/{key}": value for key, value in figures.items()}}
         self.history.append(row)
-        if self.writer is not None:
-            for key, value in row.items():
-                if key != "step" and not (isinstance(value, float) and math.isnan(value)):
-                    self.writer.add_scalar(key, value, row["step"])
-        status = f"loss {row['loss']:.4f}  NE {row['ctr_ne']:.3f}  AUC {row['ctr_auc']:.3f}  {row['qps']:.0f} QPS"
+        self._scalars(row, step + 1)
+        status = (
+            f"loss {figures['loss']:.4f}  NE {figures['ctr_ne']:.3f}  "
+            f"AUC {figures['ctr_auc']:.3f}  {figures['qps']:.0f} QPS"
+        )
         if self.progress is not None:
             self.progress.update(self.task, status=status)
         else:
             self.print(f"step {row['step']:>6}  {status}")
+
+    def _scalars(self, figures: dict, step: int) -> None:
+        """TensorBoard scalars of ``figures`` (``step`` and NaNs, figures with no meaning on this
+        run, left out)."""
+        if self.writer is None:
+            return
+        for key, value in figures.items():
+            if key != "step" and not (isinstance(value, float) and math.isnan(value)):
+                self.writer.add_scalar(key, value, step)
 
     def finish(
         self, evaluation: dict, notes: list[str], *, skipped_nonfinite_steps: int = 0,
         fp8_decisions: dict | None = None,
     ) -> dict:  # fmt: skip
         """The run's summary (written to ``metrics.summary_json`` on rank 0); closes the progress
-        bar and the TensorBoard writer. ``skipped_nonfinite_steps``: steps skipped for a NaN or
-        infinite loss or gradient (``optim.skip_nonfinite``); ``fp8_decisions``: the
-        low-precision linears' fp8-or-BF16 table and the choices made (None: no such linears)."""
+        bar and the TensorBoard writer. ``evaluation``: the held-out figures (``ctr_ne``, ...),
+        TensorBoard's ``eval/<name>`` at the last step. ``skipped_nonfinite_steps``: steps
+        skipped for a NaN or infinite loss or gradient (``optim.skip_nonfinite``);
+        ``fp8_decisions``: the low-precision linears' fp8-or-BF16 table and the choices made
+        (None: no such linears)."""
+        self._scalars({f"eval/{key}": value for key, value in evaluation.items()}, self.cfg.steps)
         self.close()
         steady = self.steady
         world = self.run.world
         summary = {
-            "config": self.cfg.name,
+            "config": flat_config(self.cfg),
             "steps": self.cfg.steps,
             "steps_this_run": self.cfg.steps - self.start_step,
             "samples": int(_all_reduce([float(self.samples)], dist.ReduceOp.SUM)[0]),

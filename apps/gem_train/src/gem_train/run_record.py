@@ -1,13 +1,18 @@
 """What a run is, field by field: recorded in its checkpoints, compared across its ranks.
 
+``flat_config`` is the one serialization of a resolved config (``{"model.d_model": 64, ...}``,
+every field): checkpoints, the run's summary JSON, TensorBoard's hparams and the TOML dump
+(``gem_train.config_file``) all write it.
+
 Two checks share this record. Resuming: a checkpoint fits a run only if it was trained with the
 same model, data and optimisation, or the loaded state silently trains something else (DCP loads a
 3-block checkpoint into a 2-block model, dropping the third block; a synthetic run's data position
-resumes on Parquet files). So every checkpoint records the resolved config and the data files it
-read, and a resume compares them with the run's own, naming the first field that differs. A few
-fields may change on resume because the saved state does not depend on them
+resumes on Parquet files). So every checkpoint records the resolved config (every field) and the
+data files it read, and a resume compares them with the run's own, naming the first field that
+differs. A few fields may change on resume because the saved state does not depend on them
 (``MAY_CHANGE_ON_RESUME``: the step count, where and how fast the run executes, checkpointing,
-logging, activation checkpointing, the data folder's location when its files are the same).
+logging, activation checkpointing, the data folder's location when its files are the same); the
+comparison skips them.
 
 Starting under ``torchrun``: ranks that resolved different configs fail late and badly (a
 different ``--steps`` deadlocks in the last collective, a different ``d_model`` aborts inside
@@ -59,15 +64,18 @@ def data_files(source) -> list[list] | None:
 
 
 def resume_record(cfg: TrainConfig, source) -> dict:
-    """What a checkpoint records of its run: the fields a resume must match, and the data."""
-    config = {k: v for k, v in flat_config(cfg).items() if not may_change_on_resume(k)}
-    return {"config": config, "data_files": data_files(source)}
+    """What a checkpoint records of its run: every field of the resolved config, and the data."""
+    return {"config": flat_config(cfg), "data_files": data_files(source)}
 
 
 def first_difference(saved: dict, current: dict) -> str | None:
-    """The first difference between two records, said as "field: checkpoint X, this run Y",
-    or None when they match."""
-    saved_cfg, current_cfg = saved.get("config", {}), current.get("config", {})
+    """The first difference between two records in a field a resume must keep (not
+    ``MAY_CHANGE_ON_RESUME``) or in the data files, said as "field: checkpoint X, this run Y";
+    None when they match."""
+    saved_cfg, current_cfg = (
+        {k: v for k, v in record.get("config", {}).items() if not may_change_on_resume(k)}
+        for record in (saved, current)
+    )
     for name in sorted(set(saved_cfg) | set(current_cfg)):
         if name not in saved_cfg:
             return f"{name}: not in the checkpoint's record, this run {current_cfg[name]!r}"

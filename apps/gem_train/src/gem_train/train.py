@@ -8,11 +8,15 @@ device; an optional ``profiling.StepTimer`` times each phase. A ``finite.FiniteG
 the loss and gradients: a NaN or infinity stops the run at the next logging window or checkpoint
 (``NonFiniteError`` naming the step), or skips the step with ``optim.skip_nonfinite``. A worker
 whose ``torchrun`` agent died stops (``supervision.SupervisorLost``). At the end it evaluates NE
-and AUC on held-out batches and returns the summary (also written to ``metrics.summary_json``). However the run ends, the loader's thread, the progress bar, the
-TensorBoard writer and the process group are closed.
+and AUC on held-out batches and returns the summary (also written to ``metrics.summary_json``).
+With ``checkpoint.async_save`` a save goes on in the background; the next save, the end of the
+run and a failing run wait for it. ``metrics.profile_trace`` records a few steps with
+``torch.profiler`` (``profiling.ProfileTrace``). However the run ends, the loader's thread, the
+progress bar, the TensorBoard writer, the profiler and the process group are closed.
 """
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,38 +24,68 @@ import torch.distributed as dist
 from gem_train.components import Run, build_run
 from gem_train.config import TrainConfig
 from gem_train.data.loader import StepBatch
-from gem_train.metrics import quality_of
+from gem_train.metrics import gather_over_ranks, quality_of
 from gem_train.model import loss_of
-from gem_train.profiling import StepTimer
+from gem_train.profiling import ProfileTrace, StepTimer
 from gem_train.reporting import Reporter
 
 
 def train(cfg: TrainConfig, *, timer: StepTimer | None = None) -> dict:
     t_start = time.perf_counter()
-    run = reporter = None
+    run = reporter = trace = None
     try:
         run = build_run(cfg)
-        start = resume(run)
+        start, resumed_from = resume(run)
         reporter = Reporter(run, start_step=start, t_start=t_start)
-        return _loop(run, reporter, start, timer or StepTimer(run.device, enabled=False))
+        if resumed_from is not None:
+            reporter.print(f"resumed from step {start} ({resumed_from})")
+        trace = _profile_trace(run, reporter, start)
+        return _loop(run, reporter, start, timer or StepTimer(run.device, enabled=False), trace)
+    except BaseException as exc:
+        # A save still in flight completes (every rank's background save goes on while its
+        # main thread fails) before the process group goes; its own failure is told too.
+        if run is not None and run.checkpointer is not None:
+            try:
+                run.checkpointer.wait()
+            except Exception as failed:
+                exc.add_note(f"the checkpoint save in flight failed too: {failed}")
+        raise
     finally:
         # However the run ends (building it included): a loader thread left inside torch at
         # interpreter exit aborts the process, and an unclosed writer loses its last events.
         if run is not None:
             run.batches.close()
+        if trace is not None:
+            trace.close()
         if reporter is not None:
             reporter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer) -> dict:
+def _profile_trace(run: Run, reporter: Reporter, start: int) -> ProfileTrace:
+    """The run's ``metrics.profile_trace``; says so when a resumed run starts past its steps."""
+    m = run.cfg.metrics
+    last = m.profile_first_step + m.profile_steps - 1
+    if m.profile_trace and last <= start:
+        reporter.print(
+            f"metrics.profile_trace: no trace; steps {m.profile_first_step} to {last} precede "
+            f"this run's first step {start + 1} (resumed)"
+        )
+    return ProfileTrace(
+        m.profile_trace, first=m.profile_first_step, count=m.profile_steps,
+        total=run.cfg.steps, rank=run.rank, device=run.device,
+    )  # fmt: skip
+
+
+def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer, trace: ProfileTrace) -> dict:
     cfg, guard = run.cfg, run.guard
     for note in run.notes:
         reporter.print(note)
     run.model.train()
     for step in range(start, cfg.steps):
         run.supervision.check(step)
+        trace.begin(step)
         timer.begin()
         prepared = next(run.batches)  # shuffled, padded, pinned by the loader's thread
         batch, logits, loss = train_step(run, prepared, step, timer)
@@ -62,8 +96,14 @@ def _loop(run: Run, reporter: Reporter, start: int, timer: StepTimer) -> dict:
         every = cfg.checkpoint.every
         if run.checkpointer and ((every and (step + 1) % every == 0) or step + 1 == cfg.steps):
             save(run, step + 1)
+        written = trace.end(step)
+        if written is not None:
+            reporter.print(f"profile trace of steps {trace.steps[0]} to {step + 1}: {written}")
+    evaluation = evaluate(run)  # overlaps an asynchronous save of the last step
+    if run.checkpointer is not None:
+        run.checkpointer.wait()  # the run is done once its last checkpoint is
     return reporter.finish(
-        evaluate(run), run.notes, skipped_nonfinite_steps=guard.skipped,
+        evaluation, run.notes, skipped_nonfinite_steps=guard.skipped,
         fp8_decisions=fp8_decisions(run),
     )  # fmt: skip
 
@@ -98,20 +138,21 @@ def save(run: Run, step: int) -> None:
     run.checkpointer.save(step, run.model, run.optimizer, state)
 
 
-def resume(run: Run) -> int:
-    """The step to start from: 0, or the step of the newest checkpoint (verified, then loaded)."""
+def resume(run: Run) -> tuple[int, Path | None]:
+    """The step to start from and the checkpoint it comes from: ``(0, None)``, or the newest
+    checkpoint's step and folder (verified, then loaded)."""
     if run.checkpointer is None or not run.cfg.checkpoint.resume:
-        return 0
+        return 0, None
     path = run.checkpointer.latest()
     if path is None:
-        return 0
+        return 0, None
     state = run.checkpointer.load(path, run.model, run.optimizer)
     run.batches.load_state_dict(state["data"])
     if "fp8" in state and fp8_decisions(run) is not None:
         from gem_lowprec.fp8_plan import restore_fp8
 
         restore_fp8(run.model.dense, state["fp8"])
-    return int(state["step"])
+    return int(state["step"]), path
 
 
 def fp8_decisions(run: Run) -> dict | None:
@@ -142,12 +183,7 @@ def evaluate(run: Run) -> dict:
             logits[task].append(out[task].float().cpu())
             labels[task].append(label.cpu())
     run.model.train()
-    if run.world > 1:
-        gathered = [None] * run.world
-        dist.all_gather_object(gathered, (logits, labels))
-        logits = {t: [x for g in gathered for x in g[0][t]] for t in logits}
-        labels = {t: [x for g in gathered for x in g[1][t]] for t in labels}
-    return quality_of(logits, labels) if logits["ctr"] else {}
+    return quality_of(*gather_over_ranks(logits, labels, world=run.world))
 
 
 def _eval_batch(run: Run, index: int):
