@@ -107,6 +107,8 @@ def unwrap_jagged(
             nested tensors that are not ``[B, j, N, H]`` or have holes, weighted
             JaggedTensors, keys of other sequences for a self-attention op.
     """
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        return Unwrapped(q, k, v, q_offsets, kv_offsets, _identity)  # the common call, first
     off_name, kv_name = names
     kinds = {"q": kind_of(q), "k": kind_of(k), "v": kind_of(v)}
     if broadcast_q and kinds["q"] != PLAIN:
