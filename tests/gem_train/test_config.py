@@ -70,10 +70,6 @@ def test_overrides_convert_by_type():
         ({"model.widht": "3"}, "unknown field 'model.widht'"),
         ({"data.source": "parquet"}, "data.path must be a Parquet file"),
         ({"optim.embedding_optimizer": "sgd"}, "optim.embedding_optimizer must be one of"),
-        (
-            {"optim.embedding_optimizer": "rowwise_adagrad", "model.embeddings": "torchrec"},
-            "optim.embedding_optimizer must be adamw with model.embeddings=torchrec",
-        ),
     ],
 )
 def test_bad_values_name_the_field(flags, message):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from gem_parallel.embeddings import (
     EmbeddingTables,
     KeyedJagged,
+    RowwiseAdagrad,
     ShardingConfig,
     TableConfig,
     shard_embeddings,
@@ -232,8 +233,30 @@ def test_shard_embeddings_rejects_bad_arguments(one_rank_world):
 
         mesh = init_device_mesh("cpu", (1,))
         shard_embeddings(ref, mesh=mesh, model_parallel_group=dist.group.WORLD)
-    with pytest.raises(ValueError, match="CUDA only"):
-        shard_embeddings(ref, backend="torchrec", device="cpu")
+    with pytest.raises(ValueError, match="fused_optimizer: the native back end keeps dense"):
+        shard_embeddings(ref, fused_optimizer=RowwiseAdagrad(lr=0.1))
+
+
+def test_torchrec_back_end_on_the_cpu_refuses_what_it_cannot_run(one_rank_world):
+    pytest.importorskip("torchrec", reason="torchrec is not installed")
+    # torchrec's EmbeddingCollection needs one embedding dim for all its tables
+    same_dim = [TableConfig("t0", 11, 4, ("a", "b")), TableConfig("t1", 7, 4, ("c",))]
+    unpooled = EmbeddingTables(same_dim, pooling="none")
+    with pytest.raises(ValueError, match="EmbeddingCollection only with a fused_optimizer"):
+        shard_embeddings(unpooled, backend="torchrec", device="cpu")
+    with pytest.raises(TypeError, match="fused_optimizer must be a RowwiseAdagrad or None"):
+        shard_embeddings(unpooled, backend="torchrec", fused_optimizer=torch.optim.SGD)
+    unpooled.fuse_optimizer(RowwiseAdagrad(lr=0.1))
+    with pytest.raises(ValueError, match="the tables carry a fused optimizer already"):
+        shard_embeddings(unpooled, backend="torchrec", fused_optimizer=RowwiseAdagrad(lr=0.1))
+
+
+def test_table_wise_placement_balances_elements_the_same_way_everywhere():
+    from gem_parallel.embeddings.torchrec_backend import table_placement
+
+    sizes = {"big": 100, "mid": 60, "small": 50, "tiny": 10}
+    assert table_placement(sizes, 2) == {"big": 0, "mid": 1, "small": 1, "tiny": 0}
+    assert table_placement({"a": 5, "b": 5}, 4) == {"a": 0, "b": 1}
 
 
 def test_torchrec_layout_matches_dmp_collection_groups():

@@ -130,27 +130,42 @@ def fuse_embedding_optimizer(
 ) -> list[RowwiseAdagrad]:
     """With ``optim.embedding_optimizer=rowwise_adagrad``, every native table collection of the
     model updates its looked-up rows in its own backward (``gem_parallel``'s RowwiseAdagrad);
-    returns those optimizers, whose ``lr`` follows the schedule. Otherwise nothing."""
+    returns those optimizers, whose ``lr`` follows the schedule. Otherwise nothing.
+
+    Under several processes the tables were sharded already: torchrec's CPU sharding took the
+    optimizer then (``optimizations.shard_model_embeddings``), and it is collected here; other
+    sharded tables keep dense gradients, which this optimizer cannot serve."""
     o = cfg.optim
     if o.embedding_optimizer != "rowwise_adagrad":
         return []
     if world > 1:
-        raise ConfigError(
-            f"optim.embedding_optimizer=rowwise_adagrad trains the native tables of one process; "
-            f"with {world} processes the tables are sharded: use optim.embedding_optimizer=adamw"
-        )
+        sharded = {id(f): f for f in map(_fused_optimizer_of, model.modules()) if f is not None}
+        if not sharded:
+            raise ConfigError(
+                f"optim.embedding_optimizer=rowwise_adagrad with {world} processes the tables "
+                "are sharded, and only torchrec's CPU sharding trains them in the backward: set "
+                "parallel.embeddings=torchrec on the CPU, or use optim.embedding_optimizer=adamw"
+            )
+        return list(sharded.values())
     collections = [m for m in model.modules() if isinstance(m, EmbeddingTables)]
     if not collections:
         raise ConfigError(
-            "optim.embedding_optimizer=rowwise_adagrad needs the native tables, but the model's "
-            "embeddings are torchrec's (model.embeddings=auto found torchrec): set "
-            "model.embeddings=native"
+            "optim.embedding_optimizer=rowwise_adagrad on one process needs the native tables, "
+            "but the model's embeddings are torchrec's: set model.embeddings=native (torchrec's "
+            "tables take it when torchrun shards them on the CPU)"
         )
     fused = []
     for tables in collections:
         fused.append(RowwiseAdagrad(lr=o.embedding_lr or o.lr))
         tables.fuse_optimizer(fused[-1])
     return fused
+
+
+def _fused_optimizer_of(module: torch.nn.Module) -> RowwiseAdagrad | None:
+    """The row-wise Adagrad that trains ``module``'s tables in their backward (native tables,
+    or tables sharded by torchrec), if any."""
+    fused = getattr(module, "fused_optimizer", None)
+    return fused if isinstance(fused, RowwiseAdagrad) else None
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -163,10 +178,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     """
     o = cfg.optim
     self_training = {
-        id(p)
-        for m in model.modules()
-        if isinstance(m, EmbeddingTables) and m.fused_optimizer is not None
-        for p in m.parameters()
+        id(p) for m in model.modules() if _fused_optimizer_of(m) is not None for p in m.parameters()
     }
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():

@@ -223,7 +223,8 @@ class OptimConfig:
     embedding_optimizer: str = opt(
         "adamw",
         "adamw: the tables join the dense AdamW (dense table gradients) | rowwise_adagrad: row-wise "
-        "Adagrad fused into the lookup's backward, touched rows only (native embeddings, one process)",
+        "Adagrad fused into the lookup's backward, touched rows only (native tables on one process; "
+        "torchrec's, sharded on the CPU, under torchrun)",
     )
     embedding_lr: float = opt(
         0.0, "peak learning rate of the embedding tables (0: optim.lr)", at_least=0
@@ -421,14 +422,6 @@ class TrainConfig:
         require_choice("device", self.device, ("auto", "cpu", "cuda"))
         for section in SECTIONS:
             getattr(self, section).validate()
-        require(
-            self.optim.embedding_optimizer != "rowwise_adagrad"
-            or self.model.embeddings != "torchrec",
-            "optim.embedding_optimizer",
-            "adamw with model.embeddings=torchrec (the fused row-wise Adagrad serves the native "
-            "tables; set model.embeddings=native)",
-            self.optim.embedding_optimizer,
-        )
         require(
             not (self.optim.skip_nonfinite and self.optim.embedding_optimizer == "rowwise_adagrad"),
             "optim.skip_nonfinite",

@@ -12,7 +12,8 @@ sharding, since each later step wraps what the earlier ones produced):
    (under several ranks: the smallest rank's budget, rank 0's plan broadcast).
 3. **torch.compile** (``compile``): each block is compiled on its own.
 4. **Parallelism** (under torchrun with several processes): embeddings are sharded by
-   ``gem_parallel.shard_embeddings`` over all ranks, the dense tower by
+   ``gem_parallel.shard_embeddings`` over all ranks (``shard_model_embeddings`` says with what),
+   the dense tower by
    ``gem_parallel.apply_dense_parallel`` (FSDP2, every block and pooling layer its own unit).
    With ``parallel.ep > 1`` each MoE's experts are split over the expert-parallel group; ranks
    hold jagged batches with different token counts, so every MoE first gets a token bound all
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gem_train.config import TrainConfig
+from gem_train.config import ConfigError, TrainConfig
 from gem_train.model import loss_of
 
 KEEP_FULL_PRECISION = ("interaction.project", "interaction.heads.*")  # names inside model.dense
@@ -153,14 +154,13 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.lowprec.autocast_bf16)
 
 
-def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> str:
+def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> list[str]:
     try:
         from gem_parallel import (
             DenseParallelConfig,
             MeshLayout,
             apply_dense_parallel,
             build_meshes,
-            shard_embeddings,
         )
     except (ImportError, AttributeError) as exc:
         raise _missing(
@@ -178,31 +178,88 @@ def apply_parallel(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
         world=world, dp_replicate=p.dp_replicate, dp_shard=world // p.dp_replicate, ep=p.ep
     )
     meshes = build_meshes(layout, device_type=device.type)
-    backend = cfg.parallel.embeddings
-    if backend == "auto":
-        backend = (
-            "torchrec"
-            if model.embedding_backend == "torchrec" and device.type == "cuda"
-            else "native"
-        )
-    model.sequence_embeddings = shard_embeddings(
-        model.sequence_embeddings, backend=backend, mesh=meshes.sparse, device=device
-    )
-    model.pooled_embeddings = shard_embeddings(
-        model.pooled_embeddings, backend=backend, mesh=meshes.sparse, device=device
-    )
-    if backend == "native":
-        model.embedding_backend = "native"  # the sharded tables take gem_parallel's KeyedJagged
+    embedding_notes = shard_model_embeddings(model, cfg, device, meshes.sparse)
     dense = model.dense
     param_dtype = torch.bfloat16 if cfg.lowprec.autocast_bf16 else None
     apply_dense_parallel(
         dense, meshes, blocks=[*dense.blocks, dense.pma, dense.cross],
         config=DenseParallelConfig(param_dtype=param_dtype),
     )  # fmt: skip
-    return (
-        f"parallel: {world} ranks, embeddings sharded ({backend}), dense tower FSDP2 "
-        f"(dp_replicate={p.dp_replicate}, ep={p.ep}{ep_note})"
-    )
+    return [
+        f"parallel: {world} ranks, dense tower FSDP2 (dp_replicate={p.dp_replicate}, "
+        f"ep={p.ep}{ep_note})",
+        *embedding_notes,
+    ]
+
+
+def shard_model_embeddings(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, mesh
+) -> list[str]:
+    """Shard both embedding collections over ``mesh``; returns the notes that say how.
+
+    ``parallel.embeddings``: ``native`` takes gem_parallel's row-wise tables, ``torchrec``
+    torchrec's own sharding (``DMPCollection`` on CUDA, ``DistributedModelParallel`` table-wise
+    over gloo on the CPU), ``auto`` torchrec's where the model's collections are torchrec's. On
+    the CPU torchrec shards the sequence collection (unpooled) only with FBGEMM's fused row-wise
+    Adagrad, so with ``optim.embedding_optimizer=adamw`` that collection falls back to the native
+    tables, and a note names the reason; with ``rowwise_adagrad`` both collections share one
+    ``RowwiseAdagrad``, whose rate the schedule sets (``components.fuse_embedding_optimizer``
+    collects it). Checkpoints save gem_parallel's native shards only (neither torchrec's sharded
+    tables nor its fused optimizer's state), so with ``checkpoint.folder`` ``auto`` takes the
+    native tables and ``torchrec`` is refused.
+    """
+    from gem_parallel.embeddings import RowwiseAdagrad, shard_embeddings
+
+    choice = cfg.parallel.embeddings
+    notes = []
+    if choice == "torchrec" and cfg.checkpoint.folder:
+        raise ConfigError(
+            "parallel.embeddings=torchrec cannot be checkpointed: checkpoints save gem_parallel's "
+            "native shards, not torchrec's sharded tables and fused optimizer state; use "
+            "parallel.embeddings=native (or auto) with checkpoint.folder"
+        )
+    if choice == "auto":
+        choice = "torchrec" if model.embedding_backend == "torchrec" else "native"
+        if choice == "torchrec" and cfg.checkpoint.folder:
+            choice = "native"
+            notes.append(
+                "embeddings: checkpoint.folder is set, and checkpoints save gem_parallel's native "
+                "shards only, so parallel.embeddings=auto shards torchrec's tables natively"
+            )
+    on_cpu = device.type == "cpu"
+    fused = None
+    if choice == "torchrec" and on_cpu and cfg.optim.embedding_optimizer == "rowwise_adagrad":
+        fused = RowwiseAdagrad(lr=cfg.optim.embedding_lr or cfg.optim.lr)
+    backends = {"sequence": choice, "pooled": choice}
+    if choice == "torchrec" and on_cpu and fused is None:
+        backends["sequence"] = "native"
+        notes.append(
+            "embeddings: torchrec cannot shard the sequence EmbeddingCollection on the CPU with "
+            "optim.embedding_optimizer=adamw (FBGEMM's CPU dense lookup returns one summed row "
+            "per sequence instead of one row per id), so it uses gem_parallel's native tables; "
+            "optim.embedding_optimizer=rowwise_adagrad shards it with torchrec's fused kernel"
+        )
+    for name in backends:
+        attribute = f"{name}_embeddings"
+        setattr(
+            model, attribute, shard_embeddings(
+                getattr(model, attribute), backend=backends[name], mesh=mesh, device=device,
+                fused_optimizer=fused if backends[name] == "torchrec" else None,
+            ),
+        )  # fmt: skip
+    if set(backends.values()) == {"native"}:
+        model.embedding_backend = "native"  # the sharded tables take gem_parallel's KeyedJagged
+    if on_cpu:
+        kernel = "fused kernel, row-wise Adagrad" if fused else "dense kernel"
+        torchrec_how = f"torchrec DistributedModelParallel (table-wise, {kernel})"
+    else:
+        torchrec_how = "torchrec DMPCollection (row-wise, fully sharded)"
+    how = {"native": "gem_parallel native tables (row-wise)", "torchrec": torchrec_how}
+    return [
+        f"embeddings sharded: sequence by {how[backends['sequence']]}; pooled by "
+        f"{how[backends['pooled']]}",
+        *notes,
+    ]
 
 
 def bound_moe_tokens(model: nn.Module, cfg: TrainConfig) -> int:
@@ -246,7 +303,7 @@ def apply_optimizations(
         notes.append("torch.compile: every block")
     dense = cfg.parallel.dense
     if world > 1 and dense in ("auto", "fsdp"):
-        notes.append(apply_parallel(model, cfg, device))
+        notes.extend(apply_parallel(model, cfg, device))
     elif world > 1:
         raise RuntimeError(
             f"parallel.dense=none with {world} processes would train {world} diverging copies; "

@@ -6,8 +6,10 @@
   model-parallel group, with the replicas' copies fully sharded (gathered on demand with an
   asynchronous prefetch, gradients reduce-scattered) or kept whole (2D). Runs on the CPU with gloo
   and on GPUs with NCCL; needs no fbgemm and no torchrec.
-- ``backend="torchrec"`` (``torchrec_backend.py``): torchrec's ``DMPCollection`` in its fully
-  sharded mode, CUDA only, with torchrec installed (the ``torchrec`` extra).
+- ``backend="torchrec"`` (``torchrec_backend.py``, torchrec installed: the ``torchrec`` extra):
+  on CUDA torchrec's ``DMPCollection`` in its fully sharded mode; on the CPU (gloo) torchrec's
+  ``DistributedModelParallel``, table-wise over the world, with no replicas. There pooled tables
+  train through their ``.grad`` and any optimizer; unpooled ones need ``fused_optimizer``.
 
 Both take a torchrec ``KeyedJaggedTensor`` (or ``KeyedJagged``, its stand-in here) and return
 ``PooledEmbeddings`` (pooling "sum"/"mean") or a dict of ``JaggedEmbeddings`` (pooling "none").
@@ -94,6 +96,7 @@ def shard_embeddings(
     config: ShardingConfig | None = None,
     device: torch.device | str | None = None,
     engines: CopyEngines | None = None,
+    fused_optimizer: RowwiseAdagrad | None = None,
 ) -> nn.Module:
     """Shard ``module`` (an ``EmbeddingTables``, or a torchrec EmbeddingBagCollection /
     EmbeddingCollection) over the mesh; returns a module with the same forward.
@@ -101,11 +104,13 @@ def shard_embeddings(
     Every rank must pass identical weights (same seed or a loaded checkpoint); each keeps its
     slice, on ``device`` (default: where ``module``'s weights are), so the full tables may stay on
     the CPU. ``config`` (``ShardingConfig``) picks fully sharded vs 2D, prefetch, gradient reduction
-    and the collectives' engine; the torchrec back end reads only ``fully_sharded`` from it.
+    and the collectives' engine; the torchrec back end reads only ``fully_sharded`` from it (on
+    CUDA).
 
     Args:
         module: the tables to shard.
-        backend: ``"native"`` (plain PyTorch, CPU or GPU) or ``"torchrec"`` (CUDA, the extra).
+        backend: ``"native"`` (plain PyTorch, CPU or GPU) or ``"torchrec"`` (the extra:
+            ``DMPCollection`` on CUDA, ``DistributedModelParallel`` table-wise on the CPU).
         mesh: a 1D (model parallel) or 2D (replicas x model parallel) ``DeviceMesh``; or pass
             ``model_parallel_group`` (default: the world) and ``replica_group`` instead.
         config: ``ShardingConfig`` (default: fully sharded, prefetch, ``reduce="avg"``, engine
@@ -113,12 +118,20 @@ def shard_embeddings(
         device: where the shards live.
         engines: the ``collectives.CopyEngines`` that keeps the copy engines' workspaces (native
             back end; default: the sharded module's own, as its ``copy_engines``).
+        fused_optimizer: torchrec back end on the CPU: a ``RowwiseAdagrad`` that FBGEMM applies
+            in the backward (``EXACT_ROWWISE_ADAGRAD``, torchrec's ``fused`` kernel), the sharded
+            module's ``fused_optimizer``, whose ``lr`` may change between steps. None: the
+            ``dense`` kernel, gradients in ``.grad`` (pooled tables only). An ``EmbeddingTables``
+            passes its own.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
         ValueError: an unknown backend, a mesh and groups together, a mesh of 3 or more
-            dimensions, groups larger than the world, or tables with a fused optimizer.
-        TypeError: ``module`` is neither ``EmbeddingTables`` nor a torchrec collection.
+            dimensions, groups larger than the world, a fused optimizer on the native back end
+            or on CUDA; on the CPU with torchrec, replicas, a model-parallel group smaller than
+            the world, or an unpooled collection without ``fused_optimizer``.
+        TypeError: ``module`` is neither ``EmbeddingTables`` nor a torchrec collection, or
+            ``fused_optimizer`` is not a ``RowwiseAdagrad``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -138,8 +151,15 @@ def shard_embeddings(
         return shard_with_torchrec(
             module,
             model_parallel_group=mp,
+            replica_group=replicas,
             fully_sharded=config.fully_sharded,
             device=torch.device(device),
+            fused_optimizer=fused_optimizer,
+        )
+    if fused_optimizer is not None:
+        raise ValueError(
+            "fused_optimizer: the native back end keeps dense gradients; a fused optimizer "
+            "shards with backend='torchrec' on the CPU"
         )
     if isinstance(module, EmbeddingTables) and module.fused_optimizer is not None:
         raise ValueError(

@@ -15,6 +15,10 @@ and cross-attention its two sides are the query and key sequences; for PMA its k
 describes the sequences (a self-attention batch of the history serves). The batch's checks,
 length range and work lists are shared by every call that gets it (``gem_jagged.batch``).
 
+q, k and v may be torchrec ``JaggedTensor``s or jagged nested tensors instead, which carry their
+offsets (for PMA: jagged k and v, plain seeds); the output is of their kind
+(``gem_jagged._jagged_inputs``).
+
 ``rel_bias [N, 2R+1]`` adds ``rel_bias[n, clamp(j − i, −R, R) + R]`` to each score (``i`` is the
 query's position in its sequence, or the seed index for PMA) and receives a gradient.
 """
@@ -32,6 +36,7 @@ from ..._checks import (
     resolve_backend,
 )
 from ..._dispatch import custom_op_required
+from ..._jagged_inputs import unwrap_jagged
 from ...batch import JaggedBatch, as_batch
 from ._op import GdpaTritonFunction, gdpa_op, resolve_tiles
 from .config import GdpaTiles, Regime, SigmoidForm, arch_of, regime_for, tiles_for
@@ -53,7 +58,7 @@ def gdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_offsets: torch.Tensor | JaggedBatch | None,
+    q_offsets: torch.Tensor | JaggedBatch | None = None,
     kv_offsets: torch.Tensor | None = None,
     *,
     activation: str = "silu",
@@ -68,10 +73,12 @@ def gdpa(
     """Generalized dot-product attention, ``out_scale · (act(scale·QKᵀ + bias) ⊙ mask) V``.
 
     Args:
-        q: ``[Tq, N, H]`` queries, or ``[S, N, H]`` shared seeds with ``broadcast_q``.
+        q: ``[Tq, N, H]`` queries, or ``[S, N, H]`` shared seeds with ``broadcast_q``. Or a
+            torchrec ``JaggedTensor`` / jagged nested tensor (``[B, j, N, H]``) carrying its
+            offsets, with k and v of the same kind (the seeds of PMA stay a plain tensor).
         k, v: ``[Tk, N, H]`` keys and values (q's dtype and device); H in {32, 64, 128}.
         q_offsets: ``[B+1]`` int32/int64 query offsets, a ``JaggedBatch``, or None with
-            ``broadcast_q`` (ignored there unless it is a batch).
+            ``broadcast_q`` (ignored there unless it is a batch) or with jagged q.
         kv_offsets: ``[B+1]`` key offsets (cross-attention, PMA), or None for self-attention.
         activation: one of ``ACTIVATIONS``.
         causal: mask aligned bottom-right, as for the softmax op.
@@ -86,12 +93,17 @@ def gdpa(
             reference backend ignores it.
 
     Returns:
-        ``[Tq, N, H]`` (``[B·S, N, H]`` with ``broadcast_q``) in q's dtype.
+        ``[Tq, N, H]`` (``[B·S, N, H]`` with ``broadcast_q``) in q's dtype. For jagged inputs,
+        of their kind: with q's offsets, or ``S`` rows per sequence for PMA.
 
     Raises:
         TypeError / ValueError naming the argument for bad types, shapes, activations,
-        offsets or ``tiles``.
+        offsets or ``tiles``, for jagged inputs of mixed kinds or with offsets passed beside
+        them.
     """
+    q, k, v, q_offsets, kv_offsets, wrap = unwrap_jagged(
+        q, k, v, q_offsets, kv_offsets, broadcast_q=bool(broadcast_q)
+    )
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_values(name, t)
     check_same([("q", q), ("k", k), ("v", v)])
@@ -149,11 +161,13 @@ def gdpa(
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     backend = resolve_backend(backend, q.device)
     if backend == "triton" and not custom_op_required(q, k, v, rel_bias):
-        return GdpaTritonFunction.apply(
+        out = GdpaTritonFunction.apply(
             q, k, v, batch, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
             float(out_scale), bool(broadcast_q), is_cross, tiles,
         )  # fmt: skip
-    return gdpa_op(
-        q, k, v, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
-        float(out_scale), bool(broadcast_q), is_cross, backend, tiles.as_ints(),
-    )  # fmt: skip
+    else:
+        out = gdpa_op(
+            q, k, v, q_offsets_t, kv_offsets_t, rel_bias, activation, bool(causal), scale,
+            float(out_scale), bool(broadcast_q), is_cross, backend, tiles.as_ints(),
+        )  # fmt: skip
+    return wrap(out)

@@ -15,6 +15,9 @@ offsets' host check when it ran (it does once per offsets tensor); otherwise the
 batch holds both sides): a model builds one per batch, and every call shares its checks, length
 range and work lists (``gem_jagged.batch``). A plain tensor gets a batch built for the call.
 
+q, k and v may instead be torchrec ``JaggedTensor``s or jagged nested tensors, which carry their
+offsets (``gem_jagged._jagged_inputs``); the output is then of their kind.
+
 ``config=`` (a ``JaggedAttentionConfig``, ``config.py``) fixes the Triton kernels' tiles and
 code paths; without it ``config_for`` picks them from the device, dtype, head dim, keys per
 sequence and bias.
@@ -40,6 +43,7 @@ from gem_jagged._checks import (
     resolve_backend,
 )
 from gem_jagged._dispatch import custom_op_required
+from gem_jagged._jagged_inputs import unwrap_jagged
 from gem_jagged.batch import JaggedBatch, as_batch
 
 from . import _op
@@ -54,7 +58,7 @@ def jagged_flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_offsets: torch.Tensor | JaggedBatch,
+    q_offsets: torch.Tensor | JaggedBatch | None = None,
     kv_offsets: torch.Tensor | None = None,
     *,
     causal: bool = False,
@@ -69,11 +73,14 @@ def jagged_flash_attention(
 
     Args:
         q: ``[Tq, N, H]`` queries, float16/bfloat16/float32 (any float dtype on the reference
-            backend); H in {32, 64, 128}.
+            backend); H in {32, 64, 128}. Or a torchrec ``JaggedTensor`` / jagged nested tensor
+            (``[B, j, N, H]``) carrying its offsets; k and v are then of the same kind.
         k, v: ``[Tk, N, H]`` keys and values, q's dtype and device.
-        q_offsets: ``[B+1]`` int32/int64 offsets of the query sequences, or a ``JaggedBatch``.
+        q_offsets: ``[B+1]`` int32/int64 offsets of the query sequences, or a ``JaggedBatch``;
+            None when q carries its offsets.
         kv_offsets: ``[B+1]`` offsets of the key sequences (cross-attention), or None for
-            self-attention (``Tk = Tq``, the query offsets).
+            self-attention (``Tk = Tq``, the query offsets). Jagged k and v whose offsets are
+            not q's make cross-attention.
         causal: mask aligned bottom-right: query i of Lq sees key j iff j ≤ i + Lk − Lq.
         scale: score scale, default ``1/sqrt(H)``.
         rel_bias: ``[N, 2R+1]`` learned bias added as ``rel_bias[n, clamp(j − i, −R, R) + R]``;
@@ -86,13 +93,16 @@ def jagged_flash_attention(
             bias. Ignored by the reference backend.
 
     Returns:
-        ``[Tq, N, H]`` in q's dtype; a query row that sees no key is zeros.
+        ``[Tq, N, H]`` in q's dtype; a query row that sees no key is zeros. Of q's kind, with
+        q's offsets, for jagged inputs.
 
     Raises:
         TypeError / ValueError naming the argument: wrong types, shapes, dtypes, devices,
         unsupported head dims, offsets that are invalid or do not end at the token counts;
-        TypeError when ``config`` is not a ``JaggedAttentionConfig`` or None.
+        TypeError when ``config`` is not a ``JaggedAttentionConfig`` or None; ValueError for
+        jagged inputs of mixed kinds or with offsets passed beside them.
     """
+    q, k, v, q_offsets, kv_offsets, wrap = unwrap_jagged(q, k, v, q_offsets, kv_offsets)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_values(name, x)
     check_same([("q", q), ("k", k), ("v", v)])
@@ -105,6 +115,11 @@ def jagged_flash_attention(
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has head dim {k.shape[2]} but q has {q.shape[2]}; they must match")
     check_head_dim("q", q.shape[2])
+    if q_offsets is None:
+        raise ValueError(
+            "q_offsets is required for plain q, k, v (or pass torchrec JaggedTensors or jagged "
+            "nested tensors, which carry their offsets)"
+        )
     batch = as_batch(q_offsets, kv_offsets, max_len=max_q_len, max_kv_len=max_kv_len)
     if batch.device != q.device:
         raise ValueError(f"q_offsets is on {batch.device} but q is on {q.device}")
@@ -131,12 +146,14 @@ def jagged_flash_attention(
             "(use backend='reference' for others)"
         )
     if backend == "triton" and not custom_op_required(q, k, v, rel_bias):
-        return _op.eager_triton_attention(
-            q, k, v, batch, rel_bias, causal=bool(causal), scale=float(scale), config=config
+        return wrap(
+            _op.eager_triton_attention(
+                q, k, v, batch, rel_bias, causal=bool(causal), scale=float(scale), config=config
+            )
         )
     config_ints = None if config is None or backend != "triton" else config.as_ints()
     out, _, _ = _op.attention_forward(
         q, k, v, batch.offsets, batch.kv_offsets, rel_bias, bool(causal), float(scale),
         batch.max_len, backend, config_ints,
     )  # fmt: skip
-    return out
+    return wrap(out)
