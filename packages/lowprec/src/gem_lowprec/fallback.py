@@ -47,8 +47,14 @@ ROUNDS = 3  # interleaved timing rounds per path; each path keeps its median
 
 
 def m_bucket(m: int) -> int:
-    """Token counts share a decision up to the next power of two (jagged batches vary M)."""
-    return 1 << max(m - 1, 0).bit_length()
+    """Token counts share a decision up to the next power of two (jagged batches vary M).
+
+    Comparisons only, so that under ``torch.compile`` with a dynamic M the graph is guarded on
+    the bucket's bounds instead of specialising on M."""
+    bucket = 1
+    while bucket < m:
+        bucket *= 2
+    return bucket
 
 
 def shape_problem(recipe: Recipe, m: int, k: int, n: int) -> str | None:
@@ -312,7 +318,8 @@ class Fp8Decisions:
         if report_key in self.fallbacks:
             return
         self.fallbacks[report_key] = why
-        if recipe.fallback.warn:
+        # a warning would break a compiled graph; fallback_report() has it either way
+        if recipe.fallback.warn and not torch.compiler.is_compiling():
             warnings.warn(
                 f"gem_lowprec: linear [{m}x{k}] @ [{n}x{k}]ᵀ falls back to bf16: {why}",
                 stacklevel=4,

@@ -81,6 +81,12 @@ class LowPrecisionLinear(nn.Linear):
 
     def _use_fp8(self, x2: torch.Tensor, out_dtype: torch.dtype) -> bool:
         m = x2.shape[0]
+        if self.decisions.table is not None:
+            # a table's choice is a function of the shape alone: a recomputation makes its
+            # forward's choice without a record, and torch.compile traces the lookup
+            return self.decisions.use_fp8(
+                self.recipe, m, self.in_features, self.out_features, x2, self.weight, out_dtype
+            )
         if torch._C._current_graph_task_id() != -1 and m in self._choice_by_m:
             return self._choice_by_m[m]  # a recomputation repeats its forward's choice
         use = self.decisions.use_fp8(
