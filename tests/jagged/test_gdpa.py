@@ -19,7 +19,7 @@ from gem_jagged.ops.gdpa import triton as kernels
 from gem_jagged.ops.gdpa._op import gdpa_op
 from gem_jagged.ops.gdpa.reference import gdpa_reference
 from gem_jagged.testing import assert_within_reference_error, jagged_lengths, offsets_from_lengths
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 HAS_CUDA = torch.cuda.is_available()
@@ -100,6 +100,25 @@ def _check_against_fp64(case, *, dtype, options, tiles=None):
         assert_within_reference_error(got, ref_lowp, ref64, factor=factor, name=name)
 
 
+def _smallest_score(q, k, q_off, kv_off, rel_bias, *, broadcast_q):
+    """The smallest ``|scale·q·k + bias|`` over every (query, key) pair of a sequence, in fp64
+    (masked pairs included: a bound, not the exact figure)."""
+    kv_off = q_off if kv_off is None else kv_off
+    radius = 0 if rel_bias is None else (rel_bias.shape[1] - 1) // 2
+    smallest = math.inf
+    for b in range(kv_off.numel() - 1):
+        keys = k[kv_off[b] : kv_off[b + 1]].double()
+        queries = q.double() if broadcast_q else q[q_off[b] : q_off[b + 1]].double()
+        if not len(keys) or not len(queries):
+            continue
+        scores = torch.einsum("qnh,knh->nqk", queries, keys) / math.sqrt(q.shape[-1])
+        if rel_bias is not None:
+            rel = torch.arange(len(keys))[None, :] - torch.arange(len(queries))[:, None]
+            scores = scores + rel_bias.double()[:, rel.clamp(-radius, radius) + radius]
+        smallest = min(smallest, scores.abs().min().item())
+    return smallest
+
+
 @given(
     lengths=jagged_lengths(max_batch=4, max_len=40, block=16),
     mode=st.sampled_from(["self", "cross", "pma"]),
@@ -119,6 +138,13 @@ def test_triton_forward_and_gradients_match_fp64(
         lengths, mode=mode, heads=2, head_dim=head_dim, dtype=dtype, device="cpu", seed=seed,
         bias=bias, radius=radius,
     )  # fmt: skip
+    if activation == "relu" and dtype == torch.float16:
+        # relu's derivative jumps at 0: a score within fp16 rounding of 0 (products summed in
+        # half precision by the interpreter or the fp16 reference) may take either side in the
+        # kernel and the references, and no tolerance bounds the difference there; fp32 keeps
+        # every draw
+        low = rel_bias.to(dtype) if rel_bias is not None else None
+        assume(_smallest_score(q, k, q_off, kv_off, low, broadcast_q=mode == "pma") > 2e-3)
     q_off = None if q_off is None else q_off.to(offsets_dtype)
     kv_off = None if kv_off is None else kv_off.to(offsets_dtype)
     options = dict(activation=activation, causal=causal, broadcast_q=mode == "pma", out_scale=0.5)
