@@ -425,3 +425,27 @@ def radius(text: str) -> int:
     if not text.lstrip("-").isdigit() or int(text) < 0:
         raise argparse.ArgumentTypeError(f"expected a radius R, an integer >= 0, got {text!r}")
     return int(text)
+
+
+# A shrunken gem-small for the CPU: the diagnostics' smoke runs check their own Python.
+SMOKE_TRAINER_FLAGS = {
+    "device": "cpu", "model.d_model": "64", "model.n_heads": "2", "model.n_layers": "1",
+    "model.ffn_hidden": "128", "model.mlp_hidden": "64", "data.batch_size": "8",
+    "data.sub_batch_size": "4", "data.max_len": "128", "memory.budget_gib": "4",
+    "lowprec.autocast_bf16": "false",
+}  # fmt: skip
+
+
+def trainer_run(overrides: list[str], *, base: str = "gem-small", smoke: bool = False):
+    """A trainer run (``gem_train.components.build_run``) of the named config ``base`` with
+    ``section.field=value`` overrides, native embeddings, no progress bar and no evaluation;
+    shrunken to ``SMOKE_TRAINER_FLAGS`` with ``smoke`` or without a GPU. The caller closes
+    ``run.batches``."""
+    from gem_train.components import build_run
+    from gem_train.config import apply_overrides, named_config
+
+    flags = {"model.embeddings": "native", "metrics.progress": "false", "data.eval_batches": "0"}
+    if smoke or not torch.cuda.is_available():
+        flags |= SMOKE_TRAINER_FLAGS
+    flags |= dict(o.split("=", 1) for o in overrides)
+    return build_run(apply_overrides(named_config(base), flags))

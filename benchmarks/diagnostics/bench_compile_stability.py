@@ -47,22 +47,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args()
     from gem_jagged.testing import kernel_variants
-    from gem_train.components import build_run
-    from gem_train.config import apply_overrides, named_config
     from gem_train.profiling import StepTimer
     from gem_train.train import train_step
 
-    flags = {"model.embeddings": "native", "metrics.progress": "false", "data.eval_batches": "0"}
-    if args.smoke or not torch.cuda.is_available():
-        flags |= {"device": "cpu", "model.d_model": "64", "model.n_heads": "2",
-                  "model.n_layers": "1", "model.ffn_hidden": "128", "model.mlp_hidden": "64",
-                  "data.batch_size": "8", "data.sub_batch_size": "4", "data.max_len": "128",
-                  "memory.budget_gib": "4", "lowprec.autocast_bf16": "false"}  # fmt: skip
-    flags |= dict(o.split("=", 1) for o in args.overrides)
-    flags["steps"] = str(args.steps)
-    cfg = apply_overrides(named_config("gem-small"), flags)
-    print(f"compile stability: {common.environment()}; overrides {flags}", flush=True)
-    run = build_run(cfg)
+    overrides = [*args.overrides, f"steps={args.steps}"]
+    print(f"compile stability: {common.environment()}; overrides {overrides}", flush=True)
+    run = common.trainer_run(overrides, smoke=args.smoke)
     print(f"built: {'; '.join(run.notes)}", flush=True)
     timer = StepTimer(run.device, enabled=False)
     prefixes = ("gem_", "triton_")

@@ -28,13 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
-SMOKE_FLAGS = {
-    "device": "cpu", "model.d_model": "64", "model.n_heads": "2", "model.n_layers": "1",
-    "model.ffn_hidden": "128", "model.mlp_hidden": "64", "data.batch_size": "8",
-    "data.sub_batch_size": "4", "data.max_len": "128", "memory.budget_gib": "4",
-    "lowprec.autocast_bf16": "false",
-}  # fmt: skip
-
 
 class LongCalls:
     """A profile hook that records every C call lasting over ``threshold_s``, with its stack."""
@@ -85,17 +78,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args()
-    from gem_train.components import build_run
-    from gem_train.config import apply_overrides, named_config
     from gem_train.profiling import StepTimer
     from gem_train.train import train_step
 
-    flags = {"model.embeddings": "native", "metrics.progress": "false", "data.eval_batches": "0"}
     on_gpu = torch.cuda.is_available() and not args.smoke
-    if not on_gpu:
-        flags |= SMOKE_FLAGS
-    flags |= dict(o.split("=", 1) for o in args.overrides)
-    run = build_run(apply_overrides(named_config(args.base), flags))
+    run = common.trainer_run(args.overrides, base=args.base, smoke=args.smoke)
     try:
         timer = StepTimer(run.device, enabled=False)
         for step in range(args.warmup):
