@@ -24,7 +24,7 @@ Rows (each variant in its own process, one after another, same data, same steps)
   the GPU image no torchrec, so the tables take the dense AdamW as in the padded anchor);
 - ``all on, no bias`` and ``PyTorch-native FlexAttention, no bias``: the same pair with
   ``model.rel_bias_radius=0`` (no relative bias): FlexAttention's gradient of a captured bias
-  tensor (atomic adds into its few entries) dominates the strong anchor's step, so this pair
+  tensor (summed into its few entries) is the likely cost of the strong anchor's step, so this pair
   compares the two where flex runs at its own speed.
 
 Each row runs the trainer's own loop (``train_step`` and the ``Reporter``), warms up for
@@ -95,7 +95,7 @@ VARIANTS = {
     },
 }  # fmt: skip
 # The same pair without the learned relative bias: FlexAttention differentiates a captured bias
-# tensor by atomic adds into its few entries, which dominates the anchor's step; without it the
+# tensor by summing into its few entries, the likely cost of the anchor's step; without it the
 # anchor runs at flex's own speed.
 VARIANTS[ALL_ON_NO_BIAS] = dict(NO_BIAS)
 VARIANTS[STRONG_ANCHOR_NO_BIAS] = VARIANTS[STRONG_ANCHOR] | NO_BIAS
