@@ -54,32 +54,35 @@ def main() -> None:
     print(f"compile stability: {common.environment()}; overrides {overrides}", flush=True)
     run = common.trainer_run(overrides, smoke=args.smoke)
     print(f"built: {'; '.join(run.notes)}", flush=True)
-    timer = StepTimer(run.device, enabled=False)
-    prefixes = ("gem_", "triton_")
-    before = kernel_variants(prefixes)
-    fastest = float("inf")
-    for step in range(args.steps):
-        profiler = cProfile.Profile() if args.cprofile else None
-        t0 = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        train_step(run, next(run.batches), step, timer)
-        if run.device.type == "cuda":
-            torch.cuda.synchronize()
-        if profiler:
-            profiler.disable()
-        ms = (time.perf_counter() - t0) * 1e3
-        fastest = min(fastest, ms)
-        if profiler and ms > 1.5 * fastest:
-            print(f"step {step} took {ms / fastest:.1f}× the fastest step; its Python:")
-            print(_top_functions(profiler))
-        after = kernel_variants(prefixes)
-        grew = {k: v for k, v in after.items() if v[0] > before.get(k, (0, ""))[0]}
-        print(f"step {step}: {ms:.0f} ms, {sum(v[0] for v in after.values())} variants, "
-              f"{len(grew)} kernels compiled", flush=True)  # fmt: skip
-        for name, (count, key) in grew.items():
-            print(f"    {name}: {count} variants; newest {key[:400]}", flush=True)
-        before = after
+    try:
+        timer = StepTimer(run.device, enabled=False)
+        prefixes = ("gem_", "triton_")
+        before = kernel_variants(prefixes)
+        fastest = float("inf")
+        for step in range(args.steps):
+            profiler = cProfile.Profile() if args.cprofile else None
+            t0 = time.perf_counter()
+            if profiler:
+                profiler.enable()
+            train_step(run, next(run.batches), step, timer)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize()
+            if profiler:
+                profiler.disable()
+            ms = (time.perf_counter() - t0) * 1e3
+            fastest = min(fastest, ms)
+            if profiler and ms > 1.5 * fastest:
+                print(f"step {step} took {ms / fastest:.1f}× the fastest step; its Python:")
+                print(_top_functions(profiler))
+            after = kernel_variants(prefixes)
+            grew = {k: v for k, v in after.items() if v[0] > before.get(k, (0, ""))[0]}
+            print(f"step {step}: {ms:.0f} ms, {sum(v[0] for v in after.values())} variants, "
+                  f"{len(grew)} kernels compiled", flush=True)  # fmt: skip
+            for name, (count, key) in grew.items():
+                print(f"    {name}: {count} variants; newest {key[:400]}", flush=True)
+            before = after
+    finally:
+        run.batches.close()  # a loader thread left running aborts the process at exit
 
 
 if __name__ == "__main__":
