@@ -73,6 +73,23 @@ def test_from_host_checks_on_the_host_and_moves():
         JaggedBatch.from_host(torch.tensor([0, 1], device="meta"), device="cpu")
 
 
+def test_from_host_adopts_a_device_copy_after_checking_it_matches():
+    host = offsets_from_lengths(LENGTHS)
+    moved = host.clone()
+    batch = JaggedBatch.from_host(host, device="cpu", device_copy=moved)
+    assert batch.offsets is moved and batch.max_len == 9
+    with pytest.raises(ValueError, match="device_copy must have the offsets' dtype and shape"):
+        JaggedBatch.from_host(host, device="cpu", device_copy=moved.int())
+    with pytest.raises(ValueError, match="device_copy must have the offsets' dtype and shape"):
+        JaggedBatch.from_host(host, device="cpu", device_copy=moved[:-1])
+    with pytest.raises(ValueError, match="device_copy must be on meta"):
+        JaggedBatch.from_host(host, device="meta", device_copy=moved)
+    with pytest.raises(ValueError, match="self-attention"):
+        JaggedBatch.from_host(host, host, device="cpu", device_copy=moved)
+    with pytest.raises(ValueError, match="non-decreasing"):  # the host offsets are still checked
+        JaggedBatch.from_host(torch.tensor([0, 3, 2]), device="cpu", device_copy=moved[:3])
+
+
 def test_strided_offsets_are_copied_contiguous():
     strided = offsets_from_lengths([1, 1, 2, 2, 3, 3, 4, 4]).mul(1)[::2]  # [0, 2, 6, 12, 20]
     batch = JaggedBatch(strided)

@@ -211,9 +211,12 @@ def build_run(cfg: TrainConfig) -> Run:
     check_ranks_agree(cfg, world=world)  # before any collective that differing configs break
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GemModel(cfg.model).to(device)
+    # Buffers for the batches queued, the one being packed, and two the GPU may still be
+    # copying from while the host runs ahead.
+    staging = PinnedStaging(device, slots=cfg.data.prefetch + 3) if device.type == "cuda" else None
     batches = TrainBatches(
-        make_source(cfg), cfg.data, cfg.model, rank=rank, world=world,
-        pin=device.type == "cuda", token_multiple=cfg.lowprec.token_multiple,
+        make_source(cfg), cfg.data, cfg.model, rank=rank, world=world, staging=staging,
+        token_multiple=cfg.lowprec.token_multiple,
     )  # fmt: skip
     model, notes = apply_optimizations(
         model, cfg, device=device, world=world, sample_source=make_source(cfg)

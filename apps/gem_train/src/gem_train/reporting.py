@@ -233,6 +233,9 @@ class Reporter:
             "optimisations": notes,
             "skipped_nonfinite_steps": skipped_nonfinite_steps,
             "fp8_decisions": fp8_decisions,
+            "pinned_buffer_growths": (
+                None if (staging := self.run.batches.staging) is None else staging.grown
+            ),
             "losses": self.losses,
             "history": self.history,
         }

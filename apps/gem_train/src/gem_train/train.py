@@ -113,7 +113,7 @@ def train_step(run: Run, prepared: StepBatch, step: int, timer: StepTimer):
     of them synced. Padding samples (``lowprec.token_multiple``) are dropped before the loss.
     ``run.guard`` sees the loss and gradients before the update and may skip it
     (``optim.skip_nonfinite``)."""
-    batch = prepared.batch.to(run.device, non_blocking=True)
+    batch = prepared.to(run.device)
     timer.mark("data")
     run.set_lr(step)
     with run.autocast():

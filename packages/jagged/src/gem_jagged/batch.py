@@ -118,17 +118,27 @@ class JaggedBatch:
         *,
         device: torch.device | str,
         non_blocking: bool = False,
+        device_copy: torch.Tensor | None = None,
     ) -> "JaggedBatch":
         """A batch on ``device`` from CPU offsets, checked on the host where the check is free:
         no device-to-host synchronisation at all. For data pipelines that build offsets on the
         host, as most do. The length range is known, as after a checked build. With
         ``non_blocking`` the host does not wait for the device either: the copy to CUDA goes
-        through pinned memory."""
+        through pinned memory.
+
+        ``device_copy``: the (query) offsets already on ``device``, copied from ``offsets`` by
+        the caller (a pipeline that moves a whole batch in one copy), taken as the batch's own
+        instead of a second copy. The caller hands it over: nothing may write to it afterwards.
+        Self-attention only (``kv_offsets`` None); its dtype, shape and device are checked, its
+        values are not read (that would synchronise)."""
         host = _require_cpu("offsets", offsets)
         host_kv = None if kv_offsets is None else _require_cpu("kv_offsets", kv_offsets)
         checked = cls(host, host_kv)
         batch = cls.__new__(cls)
-        batch.offsets = _move_private(checked.offsets, device, non_blocking=non_blocking)
+        if device_copy is None:
+            batch.offsets = _move_private(checked.offsets, device, non_blocking=non_blocking)
+        else:
+            batch.offsets = _adopt(device_copy, checked.offsets, device, has_kv=host_kv is not None)
         batch.kv_offsets = (
             batch.offsets
             if kv_offsets is None
@@ -282,6 +292,25 @@ def _move_private(host: torch.Tensor, device, *, non_blocking: bool) -> torch.Te
     if non_blocking and torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=non_blocking)
+
+
+def _adopt(device_copy, host: torch.Tensor, device, *, has_kv: bool) -> torch.Tensor:
+    """``from_host``'s ``device_copy`` checked against the host offsets it was copied from."""
+    if has_kv:
+        raise ValueError("device_copy is for self-attention batches: pass kv_offsets=None")
+    if not isinstance(device_copy, torch.Tensor):
+        raise TypeError(f"device_copy must be a torch.Tensor, got {type(device_copy).__name__}")
+    if (device_copy.dtype, device_copy.shape) != (host.dtype, host.shape):
+        raise ValueError(
+            f"device_copy must have the offsets' dtype and shape {host.dtype} "
+            f"{tuple(host.shape)}, got {device_copy.dtype} {tuple(device_copy.shape)}"
+        )
+    want = torch.device(device)
+    if device_copy.device.type != want.type or want.index not in (None, device_copy.device.index):
+        raise ValueError(f"device_copy must be on {device}, got {device_copy.device}")
+    if not device_copy.is_contiguous():
+        raise ValueError("device_copy must be contiguous")
+    return device_copy
 
 
 def _own_copy(name: str, offsets, *, validate: bool) -> tuple[torch.Tensor, LengthRange | None]:

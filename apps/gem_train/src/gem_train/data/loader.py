@@ -10,7 +10,8 @@ target every rank shares, without communication: ranks with long histories take 
 
 Batches are prepared ``data.prefetch`` ahead by a background thread, so the training loop finds
 each one ready for the device: shuffled, padded with dummy samples for aligned low-precision GEMMs
-(``lowprec.token_multiple``), pinned when training on CUDA (the copy is then asynchronous), and
+(``lowprec.token_multiple``), packed into a reused pinned buffer when training on CUDA
+(``staging.PinnedStaging``: one asynchronous copy per batch, no pinned allocation per step), and
 with its host-side facts (real sample count, history lengths, longest history) already computed:
 the loop does no host work on the data and never waits for the device to learn a shape. Each
 is paired with the stream's state right after it, so ``state_dict()`` describes the last
@@ -23,10 +24,12 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from gem_loadbalance.workloads import lognormal_lengths
 
 from gem_train.config import DataConfig, ModelConfig
 from gem_train.data.batch import Batch
+from gem_train.data.staging import PinnedStaging, StagedBatch
 
 _END = object()
 
@@ -90,22 +93,34 @@ class StepBatch:
     ``batch`` holds the ``real_samples`` real samples first, then any dummy samples that align
     its token count (``lowprec.token_multiple``; out of the loss, the metrics and the FLOPs).
     ``lengths`` are the real samples' history lengths, ``max_len`` the longest history in
-    ``batch`` (a launch hint for the attention kernels).
+    ``batch`` (a launch hint for the attention kernels). ``staged``: the batch packed into a
+    pinned buffer, when it is bound for CUDA; ``to`` moves it from there.
     """
 
     batch: Batch
     real_samples: int
     lengths: np.ndarray
     max_len: int
+    staged: StagedBatch | None = None
 
     @classmethod
-    def of(cls, batch: Batch, *, token_multiple: int = 0, pin: bool = False) -> "StepBatch":
+    def of(
+        cls, batch: Batch, *, token_multiple: int = 0, staging: PinnedStaging | None = None
+    ) -> "StepBatch":
         lengths = batch.lengths.numpy()
         real = batch.num_samples
         if token_multiple:
             batch = batch.padded(token_multiple=token_multiple)
         max_len = int(batch.lengths.numpy().max(initial=0))
-        return cls(batch.pin_memory() if pin else batch, real, lengths, max_len)
+        staged = None if staging is None else staging.stage(batch)
+        return cls(batch, real, lengths, max_len, staged)
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch on ``device``, without waiting for the device (from pinned memory when
+        staged), with its ``layout`` checked on the host."""
+        if self.staged is not None:
+            return self.staged.to(device)
+        return self.batch.to(device, non_blocking=True)
 
 
 class TrainBatches:
@@ -113,10 +128,10 @@ class TrainBatches:
 
     def __init__(
         self, source, data: DataConfig, model: ModelConfig, *, rank: int = 0, world: int = 1,
-        pin: bool = False, token_multiple: int = 0,
+        staging: PinnedStaging | None = None, token_multiple: int = 0,
     ):  # fmt: skip
         self.source, self.data, self.model = source, data, model
-        self.rank, self.world, self.pin, self.prefetch = rank, world, pin, data.prefetch
+        self.rank, self.world, self.staging, self.prefetch = rank, world, staging, data.prefetch
         self.token_multiple = token_multiple
         self.shuffler = self._shuffler() if data.shuffle else None
         self._state = {"produced": 0} | (
@@ -174,7 +189,7 @@ class TrainBatches:
             state = {"produced": produced}
             if self.shuffler is not None:
                 state["shuffler"] = self.shuffler.state_dict()
-            yield StepBatch.of(batch, token_multiple=self.token_multiple, pin=self.pin), state
+            yield StepBatch.of(batch, token_multiple=self.token_multiple, staging=self.staging), state
 
     def _start(self):
         pairs = self._with_states(self._state["produced"])
