@@ -43,7 +43,7 @@ import attention_bench as ab  # noqa: E402
 import bench_gdpa  # noqa: E402
 import common  # noqa: E402
 import triton  # noqa: E402
-from gem_jagged import jagged_flash_attention  # noqa: E402
+from gem_jagged import JaggedBatch, jagged_flash_attention  # noqa: E402
 from gem_lowprec import LowPrecisionLinear, rmsnorm_to_mx, to_mx, to_mx_2d  # noqa: E402
 from gem_lowprec.recipes import FallbackConfig, Recipe, WeightGradConfig  # noqa: E402
 
@@ -114,6 +114,13 @@ def attention_steps(smoke: bool):
 
     steps["JFA J1 fwd+bwd"] = jfa_j1_step
     steps["JFA J1 fwd"] = jfa_j1_forward
+    batch1 = JaggedBatch(off1)  # a model's way: checks and work lists once per batch
+
+    def jfa_j1_prebuilt_step():
+        out = jagged_flash_attention(*leaves1, batch1, causal=True, backend="triton")
+        return torch.autograd.grad(out, leaves1, do1)
+
+    steps["JFA J1 fwd+bwd, prebuilt JaggedBatch"] = jfa_j1_prebuilt_step
     if not smoke:  # (compiling under the interpreter would only slow the smoke test down)
         compiled = torch.compile(
             lambda q, k, v: jagged_flash_attention(q, k, v, off1, causal=True, backend="triton"),
