@@ -59,6 +59,19 @@ def test_plain_eager_takes_the_function(name, call, fwd, bwd, function):
     assert type(out.grad_fn).__name__ == function + "Backward"
 
 
+@pytest.mark.parametrize("op", [jagged_flash_attention, gdpa], ids=["jfa", "gdpa"])
+def test_a_learned_bias_parameter_keeps_the_eager_path(op):
+    """A model's relative bias is an ``nn.Parameter``: it must not send each call through the
+    custom op's dispatcher (a plain-tensor rule would, as Parameter is a subclass)."""
+    q, k, v = _inputs()
+    bias = torch.nn.Parameter(torch.zeros(2, 2 * 4 + 1))
+    out = op(q, k, v, _offsets(), causal=True, rel_bias=bias, backend="triton")
+    names = {"jagged_flash_attention": "_TritonAttention", "gdpa": "GdpaTritonFunction"}
+    assert type(out.grad_fn).__name__ == names[op.__name__] + "Backward"
+    out.sum().backward()
+    assert bias.grad is not None and bias.grad.shape == bias.shape
+
+
 @pytest.mark.parametrize("name, call, fwd, bwd, function", OPS, ids=[o[0] for o in OPS])
 def test_compile_traces_the_custom_op(name, call, fwd, bwd, function):
     q, k, v = _inputs()

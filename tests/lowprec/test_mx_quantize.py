@@ -213,6 +213,7 @@ def test_eager_fast_path_and_dispatch_modes():
 
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     assert eager_path_allowed(x)
+    assert eager_path_allowed(x, torch.nn.Parameter(torch.ones(96)))  # a norm's weight
     via_op = mx_quantize_op(x, "float8_e4m3fn", "rceil", "rows", -1, "triton")
     fast = to_mx(x, backend="triton")
     assert torch.equal(bits(fast.data), via_op[0]) and torch.equal(fast.scale, via_op[1])

@@ -11,16 +11,20 @@ host-bound on that. So an eager call runs the same launchers through a plain
 - not while ``torch.compile`` traces (it must see the custom op);
 - not under any ``TorchDispatchMode`` (selective checkpointing, FLOP counters, fake tensors and
   debug modes identify ops by name at dispatch);
-- only for plain tensors (a tensor subclass dispatches through the custom op).
+- only for plain tensors and ``nn.Parameter``s (a model's learned bias is one; any other tensor
+  subclass dispatches through the custom op).
 """
 
 import torch
 
 __all__ = ["custom_op_required"]
 
+# ``nn.Parameter`` is a subclass in name only: it dispatches as a plain tensor.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 
 def custom_op_required(*tensors: torch.Tensor | None) -> bool:
     """True when the call must go through the op's custom op (the module docstring's rule)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
-    return any(t is not None and type(t) is not torch.Tensor for t in tensors)
+    return any(t is not None and type(t) not in _PLAIN_TYPES for t in tensors)

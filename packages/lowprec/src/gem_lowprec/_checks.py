@@ -103,7 +103,8 @@ def check_triton_runs(device: torch.device) -> None:
 def eager_path_allowed(*tensors: torch.Tensor) -> bool:
     """True when calling an op's implementation directly is unobservable: not compiling or
     tracing, no dispatch mode on the stack (fake tensors, functionalization, proxies), no functorch
-    transform, and plain tensors only.
+    transform, and plain tensors only (``nn.Parameter``, a subclass in name only, counts as one:
+    a norm's weight is one).
 
     The dispatcher's Python layers cost tens of microseconds a call, more than a quantize kernel
     of a few MB takes, and the results are the same bytes."""
@@ -111,4 +112,4 @@ def eager_path_allowed(*tensors: torch.Tensor) -> bool:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return all(type(t) is torch.Tensor for t in tensors)
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
