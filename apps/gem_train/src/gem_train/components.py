@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from gem_train.checkpoint import Checkpointer, state_bytes
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import TrainBatches
+from gem_train.data.staging import PinnedStaging
 from gem_train.data.synthetic import EVAL_STREAM, SyntheticStream
 from gem_train.finite import FiniteGuard
 from gem_train.model import GemModel
