@@ -45,7 +45,9 @@ lowering the clock, so a step that draws the limit runs slower there than in a s
 ``do_bench``. Where matplotlib is installed the first round is drawn (``jfa_sustained.png``
 under ``$OUT`` or the current directory).
 
-Every GPU run also prints the host's cost per call (the CPU time to issue one step without
+Every GPU run also times each self-attention workload under both query schedules (the
+default per-sequence tiles and ``Schedule.TOKEN_TILES``, which packs many short sequences into
+one tile), and prints the host's cost per call (the CPU time to issue one step without
 waiting for the device): the public function with the forward's K/V through TMA descriptors and
 by pointers, and over a prebuilt ``JaggedBatch``, beside the step's device time. A step whose
 host time exceeds its device time is host-bound when called eagerly.
@@ -76,6 +78,7 @@ from gem_jagged.ops.jagged_flash_attention.config import (  # noqa: E402
     DqPlacement,
     KernelImpl,
     KeyLoads,
+    Schedule,
     arch_of,
     config_for,
     regime_for,
@@ -323,6 +326,7 @@ def run(
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
     if device == "cuda":
+        run_schedules(dtype, only)
         run_host_cost(dtype, only)
     if sweep and device == "cuda":
         run_sweep(dtype, only, rel_bias_radius, variants)
@@ -477,6 +481,60 @@ def host_us_by_forward_loads(w: Workload, q, k, v, do, backward, dtype, rounds: 
             fn = project_fn(w, q, k, v, "cuda", config=dataclasses.replace(base, key_loads=loads))
             times[loads].append(host_us(_step(fn, q, k, v, do, backward)))
     return min(times[KeyLoads.TMA]), min(times[KeyLoads.POINTERS])
+
+
+def run_schedules(dtype, only=()) -> None:
+    """Each self-attention workload under the two query schedules, no bias: the default
+    (per-sequence tiles, what ``config_for`` picks) against ``Schedule.TOKEN_TILES`` (tiles of
+    consecutive tokens, masked block-diagonally), graph-replayed and eager, over a prebuilt
+    ``JaggedBatch``; with the largest difference between their outputs."""
+    rows = []
+    for w in workloads(False, only):
+        if not np.array_equal(w.q_lengths, w.kv_lengths):
+            continue  # token tiles are self-attention only
+        q, k, v, do = ab.make_inputs(w, "cuda", dtype, w.heads, w.head_dim)
+        base = default_config(w, False, dtype)
+        fns = {
+            schedule: project_fn(
+                w, q, k, v, "cuda", config=dataclasses.replace(base, schedule=schedule),
+                prebuilt=True,
+            )
+            for schedule in Schedule
+        }  # fmt: skip
+        with torch.no_grad():
+            outs = [fn(q, k, v).float() for fn in fns.values()]
+        deviation = (outs[0] - outs[1]).abs().max().item()
+        for backward in (False, True):
+            flops = common.attention_flops(
+                w.pairs(), heads=w.heads, head_dim=w.head_dim, backward=backward
+            )
+            graph = {s: ab.timed(fn, q, k, v, do, backward=backward, bench=common.bench_ms,
+                                 graph=True) for s, fn in fns.items()}  # fmt: skip
+            eager = {s: ab.timed(fn, q, k, v, do, backward=backward, bench=common.bench_ms)
+                     for s, fn in fns.items()}  # fmt: skip
+            label = "fwd+bwd" if backward else "fwd"
+            per, tiles = Schedule.PER_SEQUENCE, Schedule.TOKEN_TILES
+            rows.append(
+                [w.name, label, common.tflops(flops, graph[per]),
+                 common.tflops(flops, graph[tiles]), _ratio(graph[per] / graph[tiles]),
+                 common.tflops(flops, eager[per]), common.tflops(flops, eager[tiles]),
+                 _ratio(eager[per] / eager[tiles]), f"{deviation:.2g}"]
+            )  # fmt: skip
+            common.record(
+                "jagged_flash_attention", workload=f"{w.name} {label} token tiles",
+                tflops_graphed=common.tflops(flops, graph[tiles]),
+                tflops_eager=common.tflops(flops, eager[tiles]),
+                graph_x_per_sequence=graph[per] / graph[tiles],
+                eager_x_per_sequence=eager[per] / eager[tiles],
+            )  # fmt: skip
+        del fns, q, k, v, do
+    common.print_table(
+        "query schedules, no bias, useful TFLOP/s: per-sequence tiles (the default) and token "
+        "tiles (Schedule.TOKEN_TILES); x = per-sequence time / token-tile time",
+        ["workload", "pass", "per-seq graphed", "token graphed", "graphed x", "per-seq eager",
+         "token eager", "eager x", "max |out diff|"],
+        rows,
+    )  # fmt: skip
 
 
 def run_host_cost(dtype, only=()) -> None:

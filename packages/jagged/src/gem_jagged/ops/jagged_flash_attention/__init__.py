@@ -47,7 +47,7 @@ from gem_jagged._jagged_inputs import unwrap_jagged
 from gem_jagged.batch import JaggedBatch, as_batch
 
 from . import _op
-from .config import JaggedAttentionConfig
+from .config import JaggedAttentionConfig, Schedule
 
 __all__ = ["jagged_flash_attention"]
 
@@ -90,7 +90,9 @@ def jagged_flash_attention(
         backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
         config: the Triton kernels' tiles and code paths (``JaggedAttentionConfig``); None
             lets ``config_for`` pick from the device, dtype, head dim, keys per sequence and
-            bias. Ignored by the reference backend.
+            bias. Ignored by the reference backend. ``schedule=Schedule.TOKEN_TILES`` packs
+            consecutive tokens of many short sequences into each tile (self-attention without
+            a bias; ``config_for`` does not pick it).
 
     Returns:
         ``[Tq, N, H]`` in q's dtype; a query row that sees no key is zeros. Of q's kind, with
@@ -139,6 +141,12 @@ def jagged_flash_attention(
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
     if config is not None and not isinstance(config, JaggedAttentionConfig):
         raise TypeError(f"config must be a JaggedAttentionConfig or None, got {config!r}")
+    if config is not None and config.schedule == Schedule.TOKEN_TILES:
+        if not batch.is_self_attention or rel_bias is not None:
+            raise ValueError(
+                "config.schedule=Schedule.TOKEN_TILES runs self-attention without a relative "
+                "bias (kv_offsets=None, rel_bias=None); use Schedule.PER_SEQUENCE otherwise"
+            )
     backend = resolve_backend(backend, q.device)
     if backend == "triton" and q.dtype not in TRITON_DTYPES:
         raise TypeError(

@@ -42,6 +42,7 @@ __all__ = [
     "KernelImpl",
     "KeyLoads",
     "Regime",
+    "Schedule",
     "TileShape",
     "arch_of",
     "config_for",
@@ -74,6 +75,15 @@ class DqPlacement(enum.Enum):
 
     OWN_KERNEL = "own_kernel"  # the dQ kernel, which also computes δ for dK/dV
     IN_DKDV = "in_dkdv"  # the dK/dV kernel, for sequences whose keys fit its one key tile
+
+
+class Schedule(enum.Enum):
+    """How the queries are cut into the tiles the kernels' programs take."""
+
+    PER_SEQUENCE = "per_sequence"  # tiles of one sequence each (work lists), any attention
+    TOKEN_TILES = "token_tiles"  # tiles of consecutive tokens across sequences, each masked
+    # block-diagonally inside: no tile padded to its height by a short sequence (self-attention
+    # without a relative bias; ``token_tiles.py``)
 
 
 class Regime(enum.Enum):
@@ -116,6 +126,9 @@ class JaggedAttentionConfig:
         key_loads: ``KeyLoads`` of the Triton forward (TMA only where the layout allows).
         dq_placement: ``DqPlacement``; ``IN_DKDV`` applies without a bias and with the Triton
             dK/dV kernel only.
+        schedule: ``Schedule``; ``TOKEN_TILES`` runs the three Triton kernels of
+            ``token_tiles.py`` on the forward's, dK/dV's and dQ's tile shapes (self-attention
+            without a relative bias only; the op raises otherwise).
     """
 
     forward: TileShape
@@ -129,6 +142,7 @@ class JaggedAttentionConfig:
     dq_impl: KernelImpl = KernelImpl.TRITON
     key_loads: KeyLoads = KeyLoads.POINTERS
     dq_placement: DqPlacement = DqPlacement.OWN_KERNEL
+    schedule: Schedule = Schedule.PER_SEQUENCE
 
     def as_ints(self) -> list[int]:
         """The config as the flat int list the custom ops take (``from_ints`` reads it)."""
@@ -160,16 +174,18 @@ class JaggedAttentionConfig:
             forward=forward, dkdv=dkdv, dq=dq, split_rows=split_rows, max_splits=max_splits,
             dq_diag_chunk=dq_diag_chunk, forward_impl=choices[0], dkdv_impl=choices[1],
             dq_impl=choices[2], key_loads=choices[3], dq_placement=choices[4],
+            schedule=choices[5],
         )  # fmt: skip
 
     def _paths(self) -> tuple:
         return (
-            self.forward_impl, self.dkdv_impl, self.dq_impl, self.key_loads, self.dq_placement
+            self.forward_impl, self.dkdv_impl, self.dq_impl, self.key_loads, self.dq_placement,
+            self.schedule,
         )  # fmt: skip
 
 
 _TILE = dataclasses.fields(TileShape)
-_PATH_ENUMS = (KernelImpl, KernelImpl, KernelImpl, KeyLoads, DqPlacement)
+_PATH_ENUMS = (KernelImpl, KernelImpl, KernelImpl, KeyLoads, DqPlacement, Schedule)
 _NUM_INTS = 3 * len(_TILE) + 3 + len(_PATH_ENUMS)
 
 

@@ -4,10 +4,11 @@ read by dK/dV; or dQ written by the dK/dV kernel for short keys), on the Triton 
 import torch
 
 from .. import hopper
-from ..config import DqPlacement, KernelImpl
+from ..config import DqPlacement, KernelImpl, Schedule
 from .common import _rows_of_heads
 from .dkdv import backward_dkdv
 from .dq import backward_dq
+from .token_tiles import token_tiles_backward
 
 
 def jfa_backward(
@@ -24,9 +25,14 @@ def jfa_backward(
     its one key tile; the dQ kernel then runs only for the other sequences, and not at all when
     the batch's host check showed every sequence to have 1 to ``config.dkdv.block_n`` keys.
     """
+    cfg = config
+    if cfg.schedule == Schedule.TOKEN_TILES:
+        dq, dk, dv = token_tiles_backward(
+            dout, q, k, v, out, lse, batch, causal=causal, scale=scale, config=cfg
+        )
+        return dq, dk, dv, None
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
-    cfg = config
     dkdv_on_hopper = cfg.dkdv_impl == KernelImpl.GLUON_HOPPER and hopper.supported(
         q, k, v, dout,
         rel_bias=rel_bias is not None, rows=cfg.dkdv.block_n, num_warps=cfg.dkdv.warps,

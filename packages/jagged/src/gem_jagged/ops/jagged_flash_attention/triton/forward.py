@@ -17,7 +17,7 @@ from gem_jagged._worklist import tile_slot_bound
 
 from .. import hopper
 from ..bias_tiles import add_relative_bias, far_bias_log2
-from ..config import KernelImpl, KeyLoads
+from ..config import KernelImpl, KeyLoads, Schedule
 from .common import (
     LOG2E,
     _bias_tile_args,
@@ -30,6 +30,7 @@ from .common import (
     _stream_tile,
     _tma_ready,
 )
+from .token_tiles import token_tiles_forward
 
 
 @jit
@@ -170,6 +171,9 @@ def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, config, descriptors=
     """
     total_q, num_heads, head_dim = q.shape
     cfg = config
+    if cfg.schedule == Schedule.TOKEN_TILES:  # no work list: the tiles are the token range's
+        out, lse = token_tiles_forward(q, k, v, batch, causal=causal, scale=scale, config=cfg)
+        return out, lse, q.new_empty((5, 0), dtype=torch.int32)
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
@@ -211,5 +215,7 @@ def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, config, descriptors=
 
 def forward_work_slots(q: torch.Tensor, q_offsets: torch.Tensor, *, config) -> int:
     """Slots of the forward's query work list under ``config`` (host shapes only; for fake
-    tensors too)."""
+    tensors too); none for token tiles."""
+    if config.schedule == Schedule.TOKEN_TILES:
+        return 0
     return tile_slot_bound(q.shape[0], q_offsets.shape[0] - 1, config.forward.block_m)
