@@ -25,7 +25,8 @@ the measurements behind each cell.
 
 Through the custom op. A ``torch.library`` custom op cannot take a dataclass, so a config
 crosses it as a flat list of ints (``as_ints`` / ``from_ints``): the twelve tile numbers, the
-three split and bias-chunk numbers, then the position of each path choice in its enum.
+three split and bias-chunk numbers, then the position of each path choice (the schedule last)
+in its enum.
 """
 
 import dataclasses

@@ -2,8 +2,9 @@
 
 Files: ``common.py`` (jit helpers and host helpers the kernels share), ``forward.py``,
 ``dkdv.py`` (the dK/dV kernel, its finishing kernel and the split rule), ``dq.py`` (the dQ
-kernel and the bias gradient), ``backward.py`` (the backward's order of launches). Each kernel
-sits beside its launcher.
+kernel and the bias gradient), ``backward.py`` (the backward's order of launches),
+``token_tiles.py`` (the three kernels of ``Schedule.TOKEN_TILES``, tiles of consecutive tokens
+across sequences). Each kernel sits beside its launcher.
 
 Legend (shape suffixes): ``Tq``/``Tk`` total query/key tokens, ``B`` sequences, ``N`` heads,
 ``H`` head dim, ``W`` work-list slots, ``R2`` relative-bias buckets (2R+1), ``M``/``Nk`` rows of
