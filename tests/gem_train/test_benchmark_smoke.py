@@ -31,6 +31,25 @@ def test_a2_smoke_runs_the_optimised_and_both_native_models(tmp_path):
     assert all(math.isfinite(g["ratio"]) for g in anchors.values())
 
 
+def test_fp8_quality_smoke_records_a_goal_per_fp8_recipe(tmp_path):
+    results = tmp_path / "results.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "bench_fp8_quality.py"), "--smoke"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, GEMKIT_RESULTS=str(results)),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    goals = [json.loads(line) for line in results.read_text().splitlines()]
+    assert {g["goal"] for g in goals} == {
+        "fp8 training NE vs BF16, mxfp8",
+        "fp8 training NE vs BF16, fp8_rowwise",
+    }
+    assert all(math.isfinite(g["ratio"]) and g["target"] == 0.999 for g in goals)
+    # every recipe but the anchor ran linears in fp8 (the rule plan): the table says how many
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if "|" in line}
+    assert int(rows["bf16"].split("|")[2]) == 0
+    assert int(rows["mxfp8"].split("|")[2]) > 0 and int(rows["fp8_rowwise"].split("|")[2]) > 0
+
+
 def test_compile_stability_smoke_reports_each_step():
     script = SCRIPT.parents[1] / "diagnostics" / "bench_compile_stability.py"
     done = subprocess.run(
