@@ -91,8 +91,8 @@ def jagged_flash_attention(
         config: the Triton kernels' tiles and code paths (``JaggedAttentionConfig``); None
             lets ``config_for`` pick from the device, dtype, head dim, keys per sequence and
             bias. Ignored by the reference backend. ``schedule=Schedule.TOKEN_TILES`` packs
-            consecutive tokens of many short sequences into each tile (self-attention without
-            a bias; ``config_for`` does not pick it).
+            consecutive tokens of many short sequences into each tile (self-attention only;
+            ``config_for`` does not pick it).
 
     Returns:
         ``[Tq, N, H]`` in q's dtype; a query row that sees no key is zeros. Of q's kind, with
@@ -142,10 +142,10 @@ def jagged_flash_attention(
     if config is not None and not isinstance(config, JaggedAttentionConfig):
         raise TypeError(f"config must be a JaggedAttentionConfig or None, got {config!r}")
     if config is not None and config.schedule == Schedule.TOKEN_TILES:
-        if not batch.is_self_attention or rel_bias is not None:
+        if not batch.is_self_attention:
             raise ValueError(
-                "config.schedule=Schedule.TOKEN_TILES runs self-attention without a relative "
-                "bias (kv_offsets=None, rel_bias=None); use Schedule.PER_SEQUENCE otherwise"
+                "config.schedule=Schedule.TOKEN_TILES runs self-attention only "
+                "(kv_offsets=None); use Schedule.PER_SEQUENCE for cross-attention"
             )
     backend = resolve_backend(backend, q.device)
     if backend == "triton" and q.dtype not in TRITON_DTYPES:

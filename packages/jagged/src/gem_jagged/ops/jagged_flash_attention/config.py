@@ -84,7 +84,7 @@ class Schedule(enum.Enum):
     PER_SEQUENCE = "per_sequence"  # tiles of one sequence each (work lists), any attention
     TOKEN_TILES = "token_tiles"  # tiles of consecutive tokens across sequences, each masked
     # block-diagonally inside: no tile padded to its height by a short sequence (self-attention
-    # without a relative bias; ``token_tiles.py``)
+    # only; ``token_tiles.py``)
 
 
 class Regime(enum.Enum):
@@ -129,7 +129,7 @@ class JaggedAttentionConfig:
             dK/dV kernel only.
         schedule: ``Schedule``; ``TOKEN_TILES`` runs the three Triton kernels of
             ``token_tiles.py`` on the forward's, dK/dV's and dQ's tile shapes (self-attention
-            without a relative bias only; the op raises otherwise).
+            only; the op raises for cross-attention).
     """
 
     forward: TileShape

@@ -27,10 +27,10 @@ def jfa_backward(
     """
     cfg = config
     if cfg.schedule == Schedule.TOKEN_TILES:
-        dq, dk, dv = token_tiles_backward(
-            dout, q, k, v, out, lse, batch, causal=causal, scale=scale, config=cfg
-        )
-        return dq, dk, dv, None
+        return token_tiles_backward(
+            dout, q, k, v, out, lse, batch, causal=causal, scale=scale, rel_bias=rel_bias,
+            config=cfg,
+        )  # fmt: skip
     q, k, v = _rows_of_heads(q, k, v)
     dout, out = dout.contiguous(), out.contiguous()
     dkdv_on_hopper = cfg.dkdv_impl == KernelImpl.GLUON_HOPPER and hopper.supported(

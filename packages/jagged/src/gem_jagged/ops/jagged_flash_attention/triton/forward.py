@@ -172,7 +172,9 @@ def jfa_forward(q, k, v, batch, *, causal, scale, rel_bias, config, descriptors=
     total_q, num_heads, head_dim = q.shape
     cfg = config
     if cfg.schedule == Schedule.TOKEN_TILES:  # no work list: the tiles are the token range's
-        out, lse = token_tiles_forward(q, k, v, batch, causal=causal, scale=scale, config=cfg)
+        out, lse = token_tiles_forward(
+            q, k, v, batch, causal=causal, scale=scale, rel_bias=rel_bias, config=cfg
+        )
         return out, lse, q.new_empty((5, 0), dtype=torch.int32)
     q, k, v = _rows_of_heads(q, k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
