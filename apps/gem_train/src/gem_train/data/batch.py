@@ -115,9 +115,6 @@ class Batch:
         )  # fmt: skip
         return Batch.cat([self, dummy])
 
-    def pin_memory(self) -> "Batch":
-        return Batch(**{name: t.pin_memory() for name, t in self.tensors().items()})
-
     def select(self, index) -> "Batch":
         """The samples ``index`` (in that order) as a new batch."""
         index = torch.as_tensor(index, dtype=torch.int64)
