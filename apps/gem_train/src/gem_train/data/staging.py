@@ -112,7 +112,8 @@ class StagedBatch:
         slot, self._slot = self._slot, None
         if self.device.type == "cuda":
             moved = slot.buffer[: self._nbytes].to(device, non_blocking=True)
-            slot.copied = torch.cuda.Event()
+            # blocking: the loader thread that waits on it sleeps instead of spinning a core
+            slot.copied = torch.cuda.Event(blocking=True)
             slot.copied.record()
         else:
             moved = slot.buffer[: self._nbytes].clone()
