@@ -13,6 +13,9 @@ a call that lasts longer than ``--threshold-ms`` is one the host waited in.
 
 Flags after the options are the trainer's overrides (``section.field=value``) on ``--base``
 (gem-small by default).
+``--seen-sizes`` first trains once on copies of the queued steps' batches, so that the timed
+steps meet only sizes the run has met (the caching allocator's blocks, the GEMMs' choices): run
+with and without it to tell a one-off of a new size from a wait of every step.
 ``--smoke`` runs on the CPU, where nothing waits: it checks the script itself.
 """
 
@@ -76,6 +79,9 @@ def main() -> None:
     parser.add_argument("--threshold-ms", type=float, default=200.0)
     parser.add_argument("--base", default="gem-small", help="the named config overridden")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument(
+        "--seen-sizes", action="store_true", help="train once on the queued batches' sizes first"
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args()
     from gem_train.profiling import StepTimer
@@ -87,7 +93,13 @@ def main() -> None:
         timer = StepTimer(run.device, enabled=False)
         for step in range(args.warmup):
             train_step(run, next(run.batches), step, timer)
-        prepared = [next(run.batches) for _ in range(args.steps)]  # the loader is not under test
+        prepared = [next(run.batches) for _ in range(args.steps)]
+        if args.seen_sizes:
+            from gem_train.data.loader import StepBatch
+
+            for i, batch in enumerate(prepared):
+                copy = StepBatch.of(batch.batch, staging=run.batches.staging)
+                train_step(run, copy, args.warmup + i, timer)
         hook = LongCalls(args.threshold_ms / 1e3)
         if on_gpu:
             torch.cuda.synchronize()

@@ -29,7 +29,7 @@ def assert_plotted(message: str, path: Path) -> None:
         ("host_profile.py", ["--top", "3"], "launch paths"),
         ("bench_kernel_breakdown.py", ["--only", "J3"], "kernel time per fwd+bwd step"),
         ("bench_energy.py", ["--rounds", "1"], "energy per call, CPU smoke run"),
-        ("host_waits.py", ["--steps", "1", "--warmup", "1"], "steps queued in"),
+        ("host_waits.py", ["--steps", "1", "--warmup", "1", "--seen-sizes"], "steps queued in"),
         ("step_host_profile.py", ["--steps", "1", "--warmup", "1"], "functions by own time"),
     ],
 )
