@@ -68,6 +68,30 @@ def _load_rows(src, rows, row_ok, stride, col0, HEAD_DIM: tl.constexpr):
 
 
 @jit
+def _tile_tokens(first, total_q, row_start_T, row_end_T, BLOCK: tl.constexpr):
+    """The tokens ``first …`` of a tile: ``(tokens, in_range, sequence start, sequence end)``."""
+    tokens = first + tl.arange(0, BLOCK)
+    ok = tokens < total_q
+    start = tl.load(row_start_T + tokens, mask=ok, other=0)
+    end = tl.load(row_end_T + tokens, mask=ok, other=0)
+    return tokens, ok, start, end
+
+
+@jit
+def _query_tile_keys(first, total_q, row_start_T, row_end_T, BLOCK_M: tl.constexpr,
+                     CAUSAL: tl.constexpr):  # fmt: skip
+    """``[k_lo, k_hi)``, the keys a query tile starting at ``first`` may see: from its first
+    token's sequence start to its last token (causal) or its last token's sequence end."""
+    last = tl.minimum(first + BLOCK_M, total_q) - 1
+    k_lo = tl.load(row_start_T + first)
+    if CAUSAL:
+        k_hi = last + 1
+    else:
+        k_hi = tl.load(row_end_T + last)
+    return k_lo, k_hi
+
+
+@jit
 def _bias_log2(s_log2, bias_NR2, head, offsets, radius):
     """``s_log2`` plus the relative bias of each pair (``offsets``: key − query position), in
     log2 units."""
@@ -96,18 +120,10 @@ def _tt_fwd_kernel(
     first = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     col0 = head * HEAD_DIM
-    rows_M = first + tl.arange(0, BLOCK_M)
-    row_ok_M = rows_M < total_q
-    start_M = tl.load(row_start_T + rows_M, mask=row_ok_M, other=0)
-    end_M = tl.load(row_end_T + rows_M, mask=row_ok_M, other=0)
+    rows_M, row_ok_M, start_M, end_M = _tile_tokens(first, total_q, row_start_T, row_end_T, BLOCK_M)
     q_MH = _load_rows(q_TNH, rows_M, row_ok_M, stride_q, col0, HEAD_DIM)
     # Stage 1: the tile's key range, from its first token's sequence start.
-    last = tl.minimum(first + BLOCK_M, total_q) - 1
-    k_lo = tl.load(row_start_T + first)
-    if CAUSAL:
-        k_hi = last + 1
-    else:
-        k_hi = tl.load(row_end_T + last)
+    k_lo, k_hi = _query_tile_keys(first, total_q, row_start_T, row_end_T, BLOCK_M, CAUSAL)
 
     m_M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_M = tl.zeros([BLOCK_M], tl.float32)
@@ -157,10 +173,7 @@ def _tt_dq_kernel(
     head = tl.program_id(1)
     col0 = head * HEAD_DIM
     row_stride = num_heads * HEAD_DIM
-    rows_M = first + tl.arange(0, BLOCK_M)
-    row_ok_M = rows_M < total_q
-    start_M = tl.load(row_start_T + rows_M, mask=row_ok_M, other=0)
-    end_M = tl.load(row_end_T + rows_M, mask=row_ok_M, other=0)
+    rows_M, row_ok_M, start_M, end_M = _tile_tokens(first, total_q, row_start_T, row_end_T, BLOCK_M)
     q_MH = _load_rows(q_TNH, rows_M, row_ok_M, stride_q, col0, HEAD_DIM)
     do_MH = _load_rows(dout_TNH, rows_M, row_ok_M, row_stride, col0, HEAD_DIM)
     o_MH = _load_rows(out_TNH, rows_M, row_ok_M, row_stride, col0, HEAD_DIM)
@@ -171,12 +184,7 @@ def _tt_dq_kernel(
         tl.load(lse_NT + head * total_q + rows_M, mask=row_ok_M, other=float("inf")) * LOG2E
     )
 
-    last = tl.minimum(first + BLOCK_M, total_q) - 1
-    k_lo = tl.load(row_start_T + first)
-    if CAUSAL:
-        k_hi = last + 1
-    else:
-        k_hi = tl.load(row_end_T + last)
+    k_lo, k_hi = _query_tile_keys(first, total_q, row_start_T, row_end_T, BLOCK_M, CAUSAL)
     dq_MH = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # this program's own row of the bias gradient's partial sums
     dbias_row_R2 = dbias_part_PR2 + (head * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * (
@@ -225,11 +233,8 @@ def _tt_dkdv_kernel(
     head = tl.program_id(1)
     col0 = head * HEAD_DIM
     row_stride = num_heads * HEAD_DIM
-    cols_N = first + tl.arange(0, BLOCK_N)
-    col_ok_N = cols_N < total_q
     # A key's sequence bounds are the bounds of the queries that may see it.
-    start_N = tl.load(row_start_T + cols_N, mask=col_ok_N, other=0)
-    end_N = tl.load(row_end_T + cols_N, mask=col_ok_N, other=0)
+    cols_N, col_ok_N, start_N, end_N = _tile_tokens(first, total_q, row_start_T, row_end_T, BLOCK_N)
     k_NH = _load_rows(k_TNH, cols_N, col_ok_N, stride_kv, col0, HEAD_DIM)
     v_NH = _load_rows(v_TNH, cols_N, col_ok_N, stride_kv, col0, HEAD_DIM)
     # Stage 1: the query range that can see the tile.
