@@ -47,7 +47,7 @@ under ``$OUT`` or the current directory).
 
 Every GPU run also times each self-attention workload under both query schedules (the
 default per-sequence tiles and ``Schedule.TOKEN_TILES``, which packs many short sequences into
-one tile), and prints the host's cost per call (the CPU time to issue one step without
+one tile; with ``--rel-bias`` the bias too), and prints the host's cost per call (the CPU time to issue one step without
 waiting for the device): the public function with the forward's K/V through TMA descriptors and
 by pointers, and over a prebuilt ``JaggedBatch``, beside the step's device time. A step whose
 host time exceeds its device time is host-bound when called eagerly.
@@ -326,7 +326,7 @@ def run(
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
     if device == "cuda":
-        run_schedules(dtype, only)
+        run_schedules(dtype, only, rel_bias_radius)
         run_host_cost(dtype, only)
     if sweep and device == "cuda":
         run_sweep(dtype, only, rel_bias_radius, variants)
@@ -483,21 +483,23 @@ def host_us_by_forward_loads(w: Workload, q, k, v, do, backward, dtype, rounds: 
     return min(times[KeyLoads.TMA]), min(times[KeyLoads.POINTERS])
 
 
-def run_schedules(dtype, only=()) -> None:
-    """Each self-attention workload under the two query schedules, no bias: the default
-    (per-sequence tiles, what ``config_for`` picks) against ``Schedule.TOKEN_TILES`` (tiles of
-    consecutive tokens, masked block-diagonally), graph-replayed and eager, over a prebuilt
-    ``JaggedBatch``; with the largest difference between their outputs."""
+def run_schedules(dtype, only=(), rel_bias_radius=None) -> None:
+    """Each self-attention workload under the two query schedules: the default (per-sequence
+    tiles, what ``config_for`` picks) against ``Schedule.TOKEN_TILES`` (tiles of consecutive
+    tokens, masked block-diagonally), graph-replayed and eager, over a prebuilt ``JaggedBatch``,
+    with the relative bias of ``--rel-bias`` if given; with the largest difference between
+    their outputs."""
+    bias = "no bias" if rel_bias_radius is None else f"rel_bias R={rel_bias_radius}"
     rows = []
     for w in workloads(False, only):
         if not np.array_equal(w.q_lengths, w.kv_lengths):
             continue  # token tiles are self-attention only
         q, k, v, do = ab.make_inputs(w, "cuda", dtype, w.heads, w.head_dim)
-        base = default_config(w, False, dtype)
+        base = default_config(w, rel_bias_radius is not None, dtype)
         fns = {
             schedule: project_fn(
                 w, q, k, v, "cuda", config=dataclasses.replace(base, schedule=schedule),
-                prebuilt=True,
+                prebuilt=True, rel_bias_radius=rel_bias_radius,
             )
             for schedule in Schedule
         }  # fmt: skip
@@ -521,7 +523,7 @@ def run_schedules(dtype, only=()) -> None:
                  _ratio(eager[per] / eager[tiles]), f"{deviation:.2g}"]
             )  # fmt: skip
             common.record(
-                "jagged_flash_attention", workload=f"{w.name} {label} token tiles",
+                "jagged_flash_attention", workload=f"{w.name} {label} token tiles", bias=bias,
                 tflops_graphed=common.tflops(flops, graph[tiles]),
                 tflops_eager=common.tflops(flops, eager[tiles]),
                 graph_x_per_sequence=graph[per] / graph[tiles],
@@ -529,7 +531,7 @@ def run_schedules(dtype, only=()) -> None:
             )  # fmt: skip
         del fns, q, k, v, do
     common.print_table(
-        "query schedules, no bias, useful TFLOP/s: per-sequence tiles (the default) and token "
+        f"query schedules, {bias}, useful TFLOP/s: per-sequence tiles (the default) and token "
         "tiles (Schedule.TOKEN_TILES); x = per-sequence time / token-tile time",
         ["workload", "pass", "per-seq graphed", "token graphed", "graphed x", "per-seq eager",
          "token eager", "eager x", "max |out diff|"],
