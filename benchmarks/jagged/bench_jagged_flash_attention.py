@@ -130,12 +130,15 @@ def project_fn(w, q, k, v, device, *, rel_bias_radius=None, config=None, prebuil
     """The project's call; with ``rel_bias_radius`` R it also learns a relative bias
     ``[N, 2R+1]`` (the trainer's setting; its gradient is part of the backward). ``config``: the
     kernels' ``JaggedAttentionConfig`` (None: the op picks). ``prebuilt``: the call takes one
-    ``JaggedBatch`` built beforehand (a model's way) instead of offsets tensors."""
+    ``JaggedBatch`` built beforehand (a model's way) instead of offsets tensors; a self-attention
+    workload's batch holds one side (``kv_offsets`` None), as a model's does."""
     q_off = common.offsets_of(w.q_lengths, device)
     kv_off = common.offsets_of(w.kv_lengths, device)
     hints = dict(max_q_len=int(w.q_lengths.max()), max_kv_len=int(w.kv_lengths.max()))
     if prebuilt:
-        q_off, kv_off, hints = JaggedBatch(q_off, kv_off, **_batch_hints(hints)), None, {}
+        self_attention = np.array_equal(w.q_lengths, w.kv_lengths)
+        batch = JaggedBatch(q_off, None if self_attention else kv_off, **_batch_hints(hints))
+        q_off, kv_off, hints = batch, None, {}
     backend = "triton"
     rel_bias = None
     if rel_bias_radius is not None:
@@ -157,10 +160,10 @@ def _batch_hints(hints):
     return dict(max_len=hints["max_q_len"], max_kv_len=hints["max_kv_len"])
 
 
-def default_config(w, rel_bias: bool, dtype):
-    """The config the op picks for ``w`` on this GPU (``config_for``)."""
+def default_config(w, rel_bias: bool, dtype, device="cuda"):
+    """The config the op picks for ``w`` on ``device`` (``config_for``)."""
     return config_for(
-        arch=arch_of(torch.device("cuda")), dtype=dtype, head_dim=w.head_dim,
+        arch=arch_of(torch.device(device)), dtype=dtype, head_dim=w.head_dim,
         regime=regime_for(total_kv=int(w.kv_lengths.sum()), num_seqs=len(w.kv_lengths)),
         rel_bias=rel_bias,
     )  # fmt: skip
@@ -325,8 +328,8 @@ def run(
     if headline:
         basis = "eager" if quick or smoke else "compiled"
         common.record("jagged_flash_attention", workload="headline", basis=basis, **headline)
+    run_schedules(device, dtype, only, rel_bias_radius, smoke=smoke)
     if device == "cuda":
-        run_schedules(dtype, only, rel_bias_radius)
         run_host_cost(dtype, only)
     if sweep and device == "cuda":
         run_sweep(dtype, only, rel_bias_radius, variants)
@@ -483,22 +486,24 @@ def host_us_by_forward_loads(w: Workload, q, k, v, do, backward, dtype, rounds: 
     return min(times[KeyLoads.TMA]), min(times[KeyLoads.POINTERS])
 
 
-def run_schedules(dtype, only=(), rel_bias_radius=None) -> None:
+def run_schedules(device, dtype, only=(), rel_bias_radius=None, *, smoke=False) -> None:
     """Each self-attention workload under the two query schedules: the default (per-sequence
     tiles, what ``config_for`` picks) against ``Schedule.TOKEN_TILES`` (tiles of consecutive
     tokens, masked block-diagonally), graph-replayed and eager, over a prebuilt ``JaggedBatch``,
     with the relative bias of ``--rel-bias`` if given; with the largest difference between
-    their outputs."""
+    their outputs. ``smoke``: the tiny workloads on the CPU, each step timed once and no
+    graph (NaN)."""
     bias = "no bias" if rel_bias_radius is None else f"rel_bias R={rel_bias_radius}"
+    cuda = device == "cuda"
     rows = []
-    for w in workloads(False, only):
+    for w in workloads(smoke, only):
         if not np.array_equal(w.q_lengths, w.kv_lengths):
             continue  # token tiles are self-attention only
-        q, k, v, do = ab.make_inputs(w, "cuda", dtype, w.heads, w.head_dim)
-        base = default_config(w, rel_bias_radius is not None, dtype)
+        q, k, v, do = ab.make_inputs(w, device, dtype, w.heads, w.head_dim)
+        base = default_config(w, rel_bias_radius is not None, dtype, device)
         fns = {
             schedule: project_fn(
-                w, q, k, v, "cuda", config=dataclasses.replace(base, schedule=schedule),
+                w, q, k, v, device, config=dataclasses.replace(base, schedule=schedule),
                 prebuilt=True, rel_bias_radius=rel_bias_radius,
             )
             for schedule in Schedule
@@ -510,9 +515,10 @@ def run_schedules(dtype, only=(), rel_bias_radius=None) -> None:
             flops = common.attention_flops(
                 w.pairs(), heads=w.heads, head_dim=w.head_dim, backward=backward
             )
-            graph = {s: ab.timed(fn, q, k, v, do, backward=backward, bench=common.bench_ms,
-                                 graph=True) for s, fn in fns.items()}  # fmt: skip
-            eager = {s: ab.timed(fn, q, k, v, do, backward=backward, bench=common.bench_ms)
+            bench = common.bench_ms if cuda else ab.once
+            graph = {s: ab.timed(fn, q, k, v, do, backward=backward, bench=bench, graph=True)
+                     if cuda else float("nan") for s, fn in fns.items()}  # fmt: skip
+            eager = {s: ab.timed(fn, q, k, v, do, backward=backward, bench=bench)
                      for s, fn in fns.items()}  # fmt: skip
             label = "fwd+bwd" if backward else "fwd"
             per, tiles = Schedule.PER_SEQUENCE, Schedule.TOKEN_TILES
