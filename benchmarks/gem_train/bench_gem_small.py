@@ -4,6 +4,8 @@ Rows (each variant in its own process, one after another, same data, same steps)
 
 - ``all on``: jagged kernels (gem_jagged), MXFP8 linears (gem_lowprec) under BF16 autocast,
   AutoAC (gem_memory), Base Batch Shuffling (gem_loadbalance);
+- ``all on, token tiles``: the same with the history attention's queries cut into tiles of
+  consecutive tokens across sequences (``model.jagged_schedule=token_tiles``);
 - ``jagged → padded SDPA``: history attention by ``scaled_dot_product_attention`` on a padded
   batch with the causal + relative-bias mask, PMA / cross-attention by padded PyTorch GDPA;
 - ``low precision → BF16``: no gem_lowprec conversion (and no token alignment), BF16 autocast;
@@ -78,6 +80,7 @@ ALL_ON_NO_BIAS, STRONG_ANCHOR_NO_BIAS = "all on, no bias", "PyTorch-native FlexA
 NO_BIAS = {"model.rel_bias_radius": "0"}
 VARIANTS = {
     "all on": {},
+    "all on, token tiles": {"model.jagged_schedule": "token_tiles"},
     "jagged → padded SDPA": {"model.attention": "padded", "model.pooling_attention": "padded"},
     "low precision → BF16": {"lowprec.recipe": "none", "lowprec.token_multiple": "0"},
     "AutoAC → none": {"memory.autoac": "false"},
@@ -106,6 +109,7 @@ NUMERICS = (
     "lowprec.recipe",
     "lowprec.token_multiple",
     "model.rel_bias_radius",
+    "model.jagged_schedule",
 )
 
 SMOKE = {

@@ -70,6 +70,11 @@ def test_overrides_convert_by_type():
         ({"model.widht": "3"}, "unknown field 'model.widht'"),
         ({"data.source": "parquet"}, "data.path must be a Parquet file"),
         ({"optim.embedding_optimizer": "sgd"}, "optim.embedding_optimizer must be one of"),
+        ({"model.jagged_schedule": "tokens"}, "model.jagged_schedule must be one of"),
+        (
+            {"model.jagged_schedule": "token_tiles", "model.attention": "flex"},
+            "model.jagged_schedule must be per_sequence unless model.attention=jagged",
+        ),
     ],
 )
 def test_bad_values_name_the_field(flags, message):

@@ -53,7 +53,8 @@ def _error(x: torch.Tensor, reference: torch.Tensor) -> float:
     [True, False],
     ids=["bf16-autocast", "fp32"],  # gem-small's numerics; `gem-train --device cuda` on tiny
 )
-def test_kernels_match_the_padded_model_on_cuda(small, autocast_bf16):
+@pytest.mark.parametrize("schedule", ["per_sequence", "token_tiles"])
+def test_kernels_match_the_padded_model_on_cuda(small, autocast_bf16, schedule):
     """The trainer's forward and backward with the Triton kernels against the padded PyTorch
     model, in both numerics the trainer feeds them on a GPU: BF16 under autocast (gem-small,
     ``lowprec.autocast_bf16=true``) and float32 (the default, e.g. ``tiny`` on CUDA).
@@ -61,9 +62,10 @@ def test_kernels_match_the_padded_model_on_cuda(small, autocast_bf16):
     The reference is the padded model in float32. Under BF16 the tolerance rule of the design
     applies: the kernels' error is at most 2× (logits) and 5× (gradient) the error of the padded
     model run in BF16 too. In float32 the kernels' dots may run in TF32: errors within 1% (logits)
-    and 5% (gradient) of the largest reference value.
+    and 5% (gradient) of the largest reference value. Both query schedules of the history
+    attention (``model.jagged_schedule``).
     """
-    jagged = small(**GPU, lowprec__autocast_bf16=autocast_bf16)
+    jagged = small(**GPU, lowprec__autocast_bf16=autocast_bf16, model__jagged_schedule=schedule)
     padded = small(**GPU, model__attention="padded", model__pooling_attention="padded")
     batch = SyntheticStream(jagged.data, jagged.model).batch(0).to("cuda")
     logits_r, grad_r = _logits_and_grad(padded, batch, autocast_bf16=False)

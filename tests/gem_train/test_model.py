@@ -50,6 +50,25 @@ def test_jagged_and_padded_attention_compute_the_same_model(small, sdpa_call_ele
         torch.testing.assert_close(grads_j[name], grads_p[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_token_tiles_schedule_reaches_the_op_and_computes_the_same_model(small):
+    """``model.jagged_schedule=token_tiles``: each history attention passes the op its config with
+    ``Schedule.TOKEN_TILES`` (made once per batch, kept in the batch's layout); the model is the
+    per-sequence one (on the CPU both run the reference; test_gpu.py compares the kernels)."""
+    from gem_jagged.ops.jagged_flash_attention.config import Schedule
+
+    lengths = {"data__min_len": 0, "data__median_len": 2, "data__sigma": 1.5}
+    per_sequence = small(**lengths)
+    token_tiles = small(**lengths, model__jagged_schedule="token_tiles")
+    batch = _batch(per_sequence).to("cpu")
+    _, loss_s, grads_s = _loss_and_grads(per_sequence, batch)
+    _, loss_t, grads_t = _loss_and_grads(token_tiles, batch)
+    torch.testing.assert_close(loss_s, loss_t, rtol=0, atol=0)
+    for name in grads_s:
+        torch.testing.assert_close(grads_s[name], grads_t[name], rtol=0, atol=0, msg=name)
+    configs = [v for key, v in batch.layout._memo.items() if key[0] == "gem_train.token_tiles"]
+    assert len(configs) == 1 and configs[0].schedule == Schedule.TOKEN_TILES
+
+
 def test_flex_history_attention_computes_the_jagged_model(small):
     """``model.attention=flex`` (pooling left jagged) is the jagged model: loss and gradients."""
     lengths = {"data__min_len": 0, "data__median_len": 2, "data__sigma": 1.5}

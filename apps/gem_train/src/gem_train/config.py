@@ -55,6 +55,12 @@ class ModelConfig:
         "choice; 1 or 2 where its choice needs more shared memory than the GPU has)",
         at_least=0,
     )
+    jagged_schedule: str = opt(
+        "per_sequence",
+        "how model.attention=jagged cuts the queries into tiles: per_sequence (a tile holds one "
+        "sequence: the kernels' default) or token_tiles (consecutive tokens across sequences, "
+        "masked per sequence: for batches of many short histories)",
+    )
     block_size: int = opt(64, "BlockAttention block length in tokens", at_least=1)
     rope_theta: float = opt(10000.0, "BlockAttention RoPE base", above=0)
     rel_bias_radius: int = opt(
@@ -116,6 +122,16 @@ class ModelConfig:
             )
         require_choice(
             "model.pooling_attention", self.pooling_attention, ("jagged", "flex", "padded")
+        )
+        require_choice(
+            "model.jagged_schedule", self.jagged_schedule, ("per_sequence", "token_tiles")
+        )
+        require(
+            self.jagged_schedule == "per_sequence" or self.attention == "jagged",
+            "model.jagged_schedule",
+            "per_sequence unless model.attention=jagged (only the jagged attention has tiles "
+            "to choose)",
+            self.jagged_schedule,
         )
         require_choice("model.flex_backend", self.flex_backend, FLEX_BACKENDS)
         require_choice("model.ffn", self.ffn, ("swiglu", "moe"))

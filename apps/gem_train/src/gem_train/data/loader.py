@@ -189,7 +189,10 @@ class TrainBatches:
             state = {"produced": produced}
             if self.shuffler is not None:
                 state["shuffler"] = self.shuffler.state_dict()
-            yield StepBatch.of(batch, token_multiple=self.token_multiple, staging=self.staging), state
+            yield (
+                StepBatch.of(batch, token_multiple=self.token_multiple, staging=self.staging),
+                state,
+            )
 
     def _start(self):
         pairs = self._with_states(self._state["produced"])

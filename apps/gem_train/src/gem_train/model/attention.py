@@ -25,6 +25,7 @@ Two forms are built from PyTorch-native pieces, the benchmark's two anchors:
 ``gem_jagged`` picks its reference backend on CPU tensors and its Triton kernels on CUDA.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -102,11 +103,13 @@ class HistorySelfAttention(nn.Module):
         rel_bias_radius: int,
         block_size: int,
         rope_theta: float,
+        schedule: str = "per_sequence",
         sdpa_call_elements: int = SDPA_CALL_ELEMENTS,
     ):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, d_model // n_heads
         self.kind, self.block_size, self.rope_theta = kind, block_size, rope_theta
+        self.schedule = schedule
         self.sdpa_call_elements = sdpa_call_elements
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
@@ -129,7 +132,10 @@ class HistorySelfAttention(nn.Module):
             bias = None if self.rel_bias is None else relative_bias_score_mod(self.rel_bias)
             o = masks.attend("history", q, k, v, score_mod=bias)
         elif self.kind == "jagged":
-            o = _op("jagged_flash_attention")(q, k, v, layout, causal=True, rel_bias=self.rel_bias)
+            o = _op("jagged_flash_attention")(
+                q, k, v, layout, causal=True, rel_bias=self.rel_bias,
+                config=self._jagged_config(q, k, layout),
+            )  # fmt: skip
         elif self.kind == "block":
             o = _op("block_attention")(
                 q,
@@ -143,6 +149,20 @@ class HistorySelfAttention(nn.Module):
         else:
             o = self._padded(q, k, v, layout.offsets, max_len)
         return self.out(o.reshape(total, -1))
+
+    def _jagged_config(self, q, k, layout):
+        """None (the op's own choice) for ``per_sequence``; for ``token_tiles`` the op's choice
+        with that schedule, made once per batch and kept in its ``layout``."""
+        if self.schedule == "per_sequence":
+            return None
+        from gem_jagged.ops.jagged_flash_attention.config import Schedule, config_for_inputs
+
+        def build():
+            chosen = config_for_inputs(q, k, layout.offsets, rel_bias=self.rel_bias is not None)
+            return dataclasses.replace(chosen, schedule=Schedule.TOKEN_TILES)
+
+        key = ("gem_train.token_tiles", q.dtype, self.head_dim, self.rel_bias is not None)
+        return layout.memo(key, build)
 
     def _padded(self, q, k, v, offsets, max_len):
         """SDPA on the batch padded to its longest history, with the causal + relative-bias mask.

@@ -41,7 +41,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(m.d_model)
         self.attn = HistorySelfAttention(
             m.d_model, m.n_heads, kind=m.attention, rel_bias_radius=m.rel_bias_radius,
-            block_size=m.block_size, rope_theta=m.rope_theta,
+            block_size=m.block_size, rope_theta=m.rope_theta, schedule=m.jagged_schedule,
         )  # fmt: skip
         self.ffn_norm = RMSNorm(m.d_model)
         self.ffn = (
