@@ -97,3 +97,24 @@ def test_the_loader_stages_each_batch_and_the_step_moves_it():
     finally:
         plain.close()
         staged.close()
+
+
+def test_the_loader_never_deadlocks_on_batches_taken_and_held():
+    """Batches taken from the loader but not moved keep their buffers: the ring grows and the
+    loader thread goes on, and every held batch still moves intact."""
+    from gem_train.data.loader import TrainBatches
+
+    cfg = small_config(data__prefetch=2)
+    plain = TrainBatches(SyntheticStream(cfg.data, cfg.model), cfg.data, cfg.model)
+    staging = PinnedStaging("cpu", slots=cfg.data.prefetch + 3)
+    staged = TrainBatches(
+        SyntheticStream(cfg.data, cfg.model), cfg.data, cfg.model, staging=staging
+    )  # fmt: skip
+    try:
+        held = [next(staged) for _ in range(9)]
+        assert staging.num_slots > cfg.data.prefetch + 3
+        for got in held:
+            _assert_same(got.to("cpu"), next(plain).batch)
+    finally:
+        plain.close()
+        staged.close()
