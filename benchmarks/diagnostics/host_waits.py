@@ -13,7 +13,8 @@ a call that lasts longer than ``--threshold-ms`` is one the host waited in.
 
 Flags after the options are the trainer's overrides (``section.field=value``) on ``--base``
 (gem-small by default).
-``--seen-sizes`` first trains once on copies of the queued steps' batches, so that the timed
+It also prints how many device allocations (``cudaMalloc``, new segments) the caching
+allocator made while the steps were queued. ``--seen-sizes`` first trains once on copies of the queued steps' batches, so that the timed
 steps meet only sizes the run has met (the caching allocator's blocks, the GEMMs' choices): run
 with and without it to tell a one-off of a new size from a wait of every step.
 ``--smoke`` runs on the CPU, where nothing waits: it checks the script itself.
@@ -71,6 +72,18 @@ class LongCalls:
         sys.setprofile(None)
 
 
+def device_allocations() -> dict[str, int]:
+    """The caching allocator's cumulative counts of device memory requests (``cudaMalloc``
+    calls, new segments, retries after a failed request), whose deltas say whether queued steps
+    asked the driver for memory."""
+    stats = torch.cuda.memory_stats()
+    return {
+        "device allocations (cudaMalloc)": stats.get("num_device_alloc", 0),
+        "new segments": stats.get("segment.all.allocated", 0),
+        "allocation retries": stats.get("num_alloc_retries", 0),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="steps queued behind the sleep")
@@ -103,6 +116,7 @@ def main() -> None:
         hook = LongCalls(args.threshold_ms / 1e3)
         if on_gpu:
             torch.cuda.synchronize()
+            before = device_allocations()
             torch.cuda._sleep(int(args.sleep_s * torch.cuda.clock_rate() * 1e6))
         start = time.perf_counter()
         hook.install()
@@ -112,12 +126,17 @@ def main() -> None:
         finally:
             hook.remove()
         queued_s = time.perf_counter() - start
+        grown = {}
         if on_gpu:
+            grown = {k: v - before[k] for k, v in device_allocations().items()}
             torch.cuda.synchronize()
     finally:
         run.batches.close()
     print(f"{common.environment()}: {args.steps} steps queued in {queued_s:.2f} s behind a "
           f"{args.sleep_s:g} s GPU sleep; calls over {args.threshold_ms:g} ms: {len(hook.found)}")  # fmt: skip
+    if grown:
+        print("while queued, the caching allocator made " + ", ".join(
+            f"{n} {what}" for what, n in grown.items()))  # fmt: skip
     for took, thread, name, where in sorted(hook.found, key=lambda f: -f[0]):
         print(f"\n{took * 1e3:9.1f} ms  {name}  (thread {thread})")
         print("".join(where).rstrip())
