@@ -117,14 +117,16 @@ class StagedBatch:
             slot.copied.record()
         else:
             moved = slot.buffer[: self._nbytes].clone()
-        slot.moved.set()
         tensors = {
             name: _view(moved, start, dtype, shape)
             for name, (start, dtype, shape) in self._layout.items()
         }
+        # The host offsets are a view of the buffer: checked (and copied by the layout) before
+        # the buffer goes back to the ring, where the loader may pack the next batch into it.
         layout = JaggedBatch.from_host(
             self.batch.offsets, device=device, device_copy=tensors["offsets"]
         )
+        slot.moved.set()
         return Batch(**tensors, layout=layout)
 
 
