@@ -47,6 +47,37 @@ def _unused_float32(device: torch.device) -> torch.Tensor:
 
 
 @jit
+def _online_softmax_step(
+    acc_MH, l_M, m_M, s_MN, v_NH, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr
+):  # fmt: skip
+    """One key block of the online softmax: scores ``s_MN`` (log2 domain, -inf where masked)
+    update the running max ``m``, sum ``l`` and output accumulator; ``MASKED``: a row may have
+    seen nothing yet (its max stays -inf, safely)."""
+    m_new_M = tl.maximum(m_M, tl.max(s_MN, 1))
+    if MASKED:
+        m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+    else:
+        m_use_M = m_new_M
+    p_MN = tl.math.exp2(s_MN - m_use_M[:, None])
+    alpha_M = tl.math.exp2(m_M - m_use_M)
+    l_M = l_M * alpha_M + tl.sum(p_MN, 1)
+    # rescale and accumulate P V
+    acc_MH = acc_MH * alpha_M[:, None]
+    acc_MH = tl.dot(p_MN.to(v_NH.dtype), v_NH, acc_MH, input_precision=DOT_PRECISION)
+    return acc_MH, l_M, m_new_M
+
+
+@jit
+def _softmax_epilogue(acc_MH, l_M, m_M):
+    """``(out_MH, lse_M)``: the accumulator normalised and the natural log-sum-exp; a row that
+    saw no key outputs zeros and saves lse = +inf."""
+    seen_M = l_M > 0.0
+    out_MH = acc_MH / tl.where(seen_M, l_M, 1.0)[:, None]
+    log2_sum_M = m_M + tl.math.log2(tl.where(seen_M, l_M, 1.0))
+    return out_MH, tl.where(seen_M, log2_sum_M * 0.6931471805599453, float("inf"))
+
+
+@jit
 def _key_block_stops(
     q_start, k_len, diag, k_stop, radius,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,

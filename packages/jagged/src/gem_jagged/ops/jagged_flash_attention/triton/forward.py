@@ -23,10 +23,12 @@ from .common import (
     _bias_tile_args,
     _dot_precision,
     _key_block_stops,
+    _online_softmax_step,
     _query_work,
     _radius,
     _row_descriptor,
     _rows_of_heads,
+    _softmax_epilogue,
     _stream_tile,
     _tma_ready,
 )
@@ -63,19 +65,8 @@ def _fwd_key_blocks(
             if CAUSAL:
                 visible_MN = visible_MN & (cols_N[None, :] <= rows_M[:, None] + diag)
             s_MN = tl.where(visible_MN, s_MN, float("-inf"))
-        # Stage 2: online softmax; a row that has seen nothing yet keeps max -inf safely.
-        m_new_M = tl.maximum(m_M, tl.max(s_MN, 1))
-        if MASKED:
-            m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-        else:
-            m_use_M = m_new_M
-        p_MN = tl.math.exp2(s_MN - m_use_M[:, None])
-        alpha_M = tl.math.exp2(m_M - m_use_M)
-        l_M = l_M * alpha_M + tl.sum(p_MN, 1)
-        # Stage 3: rescale and accumulate P V.
-        acc_MH = acc_MH * alpha_M[:, None]
-        acc_MH = tl.dot(p_MN.to(v_NH.dtype), v_NH, acc_MH, input_precision=DOT_PRECISION)
-        m_M = m_new_M
+        # Stage 2: online softmax, P V accumulated.
+        acc_MH, l_M, m_M = _online_softmax_step(acc_MH, l_M, m_M, s_MN, v_NH, MASKED, DOT_PRECISION)
     return acc_MH, l_M, m_M
 
 
@@ -147,10 +138,7 @@ def _jfa_fwd_kernel(
     )  # fmt: skip
 
     # Epilogue: normalise; rows that saw no key write zeros and lse = +inf.
-    seen_M = l_M > 0.0
-    out_MH = acc_MH / tl.where(seen_M, l_M, 1.0)[:, None]
-    log2_sum_M = m_M + tl.math.log2(tl.where(seen_M, l_M, 1.0))
-    lse_M = tl.where(seen_M, log2_sum_M * 0.6931471805599453, float("inf"))  # natural log
+    out_MH, lse_M = _softmax_epilogue(acc_MH, l_M, m_M)
     tl.store(
         out_TqNH + q_rows_M[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM + dims_H[None, :],
         out_MH.to(out_TqNH.dtype.element_ty),

@@ -36,7 +36,13 @@ import triton.language as tl
 
 from gem_jagged._jit import jit
 
-from .common import LOG2E, _dot_precision, _rows_of_heads
+from .common import (
+    LOG2E,
+    _dot_precision,
+    _online_softmax_step,
+    _rows_of_heads,
+    _softmax_epilogue,
+)
 
 
 def token_bounds(batch, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,21 +144,11 @@ def _tt_fwd_kernel(
         if HAS_BIAS:
             s_MN = _bias_log2(s_MN, bias_NR2, head, cols_N[None, :] - rows_M[:, None], radius)
         s_MN = tl.where(_visible(rows_M, cols_N, start_M, end_M, CAUSAL), s_MN, float("-inf"))
-        # Stage 3: online softmax (a row that has seen nothing yet keeps max -inf safely).
-        m_new_M = tl.maximum(m_M, tl.max(s_MN, 1))
-        m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-        p_MN = tl.math.exp2(s_MN - m_use_M[:, None])
-        alpha_M = tl.math.exp2(m_M - m_use_M)
-        l_M = l_M * alpha_M + tl.sum(p_MN, 1)
-        acc_MH = acc_MH * alpha_M[:, None]
-        acc_MH = tl.dot(p_MN.to(v_NH.dtype), v_NH, acc_MH, input_precision=DOT_PRECISION)
-        m_M = m_new_M
+        # Stage 3: online softmax, P V accumulated.
+        acc_MH, l_M, m_M = _online_softmax_step(acc_MH, l_M, m_M, s_MN, v_NH, True, DOT_PRECISION)
 
     # Epilogue: normalise; the natural log-sum-exp for the backward.
-    seen_M = l_M > 0.0
-    out_MH = acc_MH / tl.where(seen_M, l_M, 1.0)[:, None]
-    log2_sum_M = m_M + tl.math.log2(tl.where(seen_M, l_M, 1.0))
-    lse_M = tl.where(seen_M, log2_sum_M * 0.6931471805599453, float("inf"))
+    out_MH, lse_M = _softmax_epilogue(acc_MH, l_M, m_M)
     dims_H = tl.arange(0, HEAD_DIM)
     tl.store(
         out_TNH + rows_M.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + col0 + dims_H[None, :],
